@@ -503,6 +503,7 @@ class Record:
     _record_before: typing.ClassVar[dict[str, list[Any]]] = {}
     _record_after_field: typing.ClassVar[dict[str, list[Any]]] = {}
     _record_after: typing.ClassVar[tuple[Any, ...]] = ()
+    _record_steps: typing.ClassVar[tuple[tuple[Any, ...], ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -545,29 +546,34 @@ class Record:
         cls._record_defaults = {k: f.default for k, f in fields.items()
                                 if f.default is not _MISSING}
         cls._record_before, cls._record_after_field = before, after_field
+        # what ``_checked`` reads of each field, in the fields' order, made once per class
+        cls._record_steps = tuple(
+            (name, info.default, info.check, tuple(before.get(name, ())),
+             tuple(after_field.get(name, ())))
+            for name, info in fields.items())
         cls._record_after = tuple(after)
 
     @classmethod
     def _checked(cls, data: dict[str, Any]) -> dict[str, Any]:
         """The fields' values from ``data``, converted and checked (ValidationError)."""
-        fields = cls.model_fields
         errors: list[dict[str, Any]] = []
         out: dict[str, Any] = {}
-        before, after_field = cls._record_before, cls._record_after_field
-        for name, info in fields.items():
+        given = 0  # names of ``data`` that are fields
+        for name, default, check, before, after in cls._record_steps:
             if name in data:
                 value = data[name]
-            elif info.default is not _MISSING:
-                out[name] = info.default
+                given += 1
+            elif default is not _MISSING:
+                out[name] = default
                 continue
             else:
                 errors.append(_error("missing", (name,), "Field required", data))
                 continue
             try:
-                for function in before.get(name, ()):
+                for function in before:
                     value = _run_validator(function, value)
-                value = info.check(value)
-                for function in after_field.get(name, ()):
+                value = check(value)
+                for function in after:
                     value = _run_validator(function, value)
                 out[name] = value
             except _Fail as fail:
@@ -576,10 +582,12 @@ class Record:
                 else:
                     errors.append(_error(fail.kind, (name, *fail.loc), fail.msg, fail.value,
                                          fail.ctx))
-        for name in data:
-            if name not in fields:
-                errors.append(_error("extra_forbidden", (name,), "Extra inputs are not permitted",
-                                     data[name]))
+        if given < len(data):
+            fields = cls.model_fields
+            for name in data:
+                if name not in fields:
+                    errors.append(_error("extra_forbidden", (name,),
+                                         "Extra inputs are not permitted", data[name]))
         if errors:
             raise ValidationError(cls.__name__, errors)
         return out

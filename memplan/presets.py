@@ -602,6 +602,8 @@ def accumulation_refused(par: Any, wl: Any) -> str | None:
     """The option ``wl``'s framework refuses for ``par`` only with gradient accumulation
     (more than one micro-batch per step: DeepSpeed's stage 1, ``REFUSALS``), or None: a plan
     then searches only the micro-batch that makes one per step."""
+    if not REFUSALS[wl.framework]:
+        return None
     dp = par.data_parallel_degree
     one = wl.model_copy(update={"global_batch_size": wl.micro_batch_size * dp})
     many = wl.model_copy(update={"global_batch_size": 2 * wl.micro_batch_size * dp})

@@ -30,6 +30,7 @@ from memplan.parallel import (
     expert_rule,
     gbs_rule,
     gpus_rule,
+    pipeline_only,
     rank_layers,
     tp_rule,
     validate,
@@ -213,6 +214,7 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
     def choices(name: str, default: list) -> list:
         return [fixed[name]] if fixed.get(name) is not None else default
 
+    fixed = _fixed_checked(fixed)
     out = []
     for tp in choices("tp", [t for t in _powers_of_two(max_tp)]):
         if (err := tp_rule(spec, tp)) is not None:
@@ -251,6 +253,22 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
                                                fixed.get("vpp_group") if vpp > 1 else None,
                                                fixed.get("offload") or frozenset()))
     return out
+
+
+# ``layouts``' fixed values and the layout fields they set
+FIXED_FIELDS = {"tp": "tp", "pp": "pp", "vpp": "vpp", "cp": "cp", "ep": "ep", "etp": "etp",
+                "vpp_group": "vpp_group", "zero": "zero", "sp": "sequence_parallel",
+                "stage_layers": "stage_layers", "dp_shard": "dp_shard", "offload": "offload"}
+
+
+def _fixed_checked(fixed: dict[str, object]) -> dict[str, object]:
+    """``fixed`` with each layout value given converted and checked as its field
+    (``ParallelConfig``'s checks, once a plan): the layouts are then made unchecked
+    (``_layout``)."""
+    given = {FIXED_FIELDS[k]: v for k, v in fixed.items() if k in FIXED_FIELDS and v is not None}
+    par = ParallelConfig(**given)  # type: ignore[arg-type]
+    return {**fixed, **{k: getattr(par, FIXED_FIELDS[k]) for k, v in fixed.items()
+                        if k in FIXED_FIELDS and v is not None}}
 
 
 def _expert_splits(spec: ModelSpec, tp: int, dp_cp: int,
@@ -295,19 +313,37 @@ def _layout(tp: int, pp: int, vpp: int, dp: int, cp: int, ep: int, zero: int,
             sp: bool, split: tuple[int, ...] | None = None,
             shard: int | None = None, etp: int | None = None,
             group: int | None = None, offload: frozenset = frozenset()) -> ParallelConfig:
-    """One object per layout, so caches keyed by it hit by identity across plans."""
-    return ParallelConfig(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, zero=ZeroStage(zero),
-                          sequence_parallel=sp, stage_layers=split, dp_shard=shard, etp=etp,
-                          vpp_group=group, offload=offload)
+    """One object per layout, so caches keyed by it hit by identity across plans. Made
+    without the fields' checks (``model_construct``): the search's own values, each of its
+    field's type and within its bounds (``layouts`` enumerates them; the record checked
+    field by field is the same, tests/unit/test_planner.py); the layout's rules are
+    ``validate``'s, which the search runs on each (``_usable``)."""
+    return ParallelConfig.model_construct(
+        tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, zero=ZeroStage(zero),
+        sequence_parallel=sp, stage_layers=split, dp_shard=shard, etp=etp, vpp_group=group,
+        offload=offload)
 
 
 @lru_cache(maxsize=4096)
 def _fewest_layers(num_layers: int, pp: int, vpp: int, split: tuple[int, ...] | None) -> int:
     """The fewest decoder layers a pipeline rank holds (``rank_layers``)."""
-    return min(rank_layers(num_layers, ParallelConfig(pp=pp, vpp=vpp, stage_layers=split)))
+    return min(rank_layers(num_layers, pipeline_only(pp, vpp, split)))
 
 
-def _policies(allowed: list[Recompute], stage_layers: int) -> list[tuple[Recompute, int | None]]:
+@lru_cache(maxsize=1024)
+def _cached_policies(allowed: tuple[Recompute, ...], stage_layers: int
+                     ) -> tuple[tuple[Recompute, int | None], ...]:
+    return tuple(_policy_list(allowed, stage_layers))
+
+
+def _policies(allowed: tuple[Recompute, ...], stage_layers: int
+              ) -> list[tuple[Recompute, int | None]]:
+    """``_policy_list`` (made once per stage size: a fresh list for each layout)."""
+    return list(_cached_policies(tuple(allowed), stage_layers))
+
+
+def _policy_list(allowed: tuple[Recompute, ...], stage_layers: int
+                 ) -> list[tuple[Recompute, int | None]]:
     """Recompute policies in order of extra compute: none, selective, full on an eighth,
     a quarter, ... seven eighths of each stage's layers (every k of a stage of 8 layers or
     fewer: Llama 3's 405B layout recomputes k of 8), full on all."""
@@ -365,8 +401,8 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
                    with_library_workspaces(default_overheads(gpu), gpu, wl.te_grouped_gemm,
                                            wl.te_gemm_workspace, wl.te_ub_workspace),
                    capacity)
-    policies = [_policies(recompute or list(RECOMPUTE_ORDER),
-                          _fewest_layers(spec.num_layers, p.pp, p.vpp, p.stage_layers))
+    allowed = tuple(recompute or RECOMPUTE_ORDER)
+    policies = [_policies(allowed, _fewest_layers(spec.num_layers, p.pp, p.vpp, p.stage_layers))
                 for p in pars]
     keep, spent, wanted = 0.0, (0, 0), top
     while True:  # (with ``top`` and ``reserved``: until the reserved check is sure)

@@ -331,3 +331,31 @@ def test_planner_counts_rejections_by_the_rules_validate_raises() -> None:
     with pytest.raises(LayoutError) as err:
         validate(gpt2, ParallelConfig(tp=8), memplan.make_workload(gpt2, seq_len=1024))
     assert err.value.rule == "tp must divide num_attention_heads"
+
+
+@pytest.mark.parametrize("model, gpus, fixed", [
+    ("llama-7b", 64, {}),
+    ("mixtral-8x7b", 64, {}),
+    ("qwen3-30b-a3b", 64, {"offload": frozenset()}),
+    ("llama-3-70b", 512, {"tp": 8, "zero": 3, "sp": True}),
+    ("llama-7b", 64, {"pp": 4, "vpp": 2, "vpp_group": 4, "stage_layers": [8, 8, 8, 8, 0, 0, 0, 0],
+                      "zero": 1}),
+])
+def test_search_layouts_are_the_checked_records(model: str, gpus: int, fixed: dict) -> None:
+    """The search makes its layouts without the fields' checks (``planner._layout``); each is
+    the record the checks make of the same fields, value and type (an int where an int, a
+    ``ZeroStage`` member, a tuple split, a frozenset of ``Offload``), given values included
+    (a list split made a tuple, as the field's own conversion does)."""
+    from collections import Counter
+
+    from memplan.parallel import ParallelConfig
+    from memplan.planning.planner import layouts
+
+    spec = memplan.load_model(model)
+    pars = layouts(spec, gpus, 4096, max_tp=8, fixed=fixed, rejected=Counter())
+    assert pars
+    for par in pars:
+        checked = ParallelConfig(**par.__dict__)
+        assert [(k, v, type(v)) for k, v in par.__dict__.items()] == [
+            (k, v, type(v)) for k, v in checked.__dict__.items()]
+        assert hash(par) == hash(checked)
