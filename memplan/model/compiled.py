@@ -299,8 +299,8 @@ def rebuilt_attention_schedule(spec: ModelSpec, wl: Workload, dm: Dims,
             and dm.tp == 1 and dm.s == wl.seq_len and dm.rows == dm.tokens)
 
 
-def attention_backward_moments(spec: ModelSpec, dm: Dims,
-                               kept: Sequence[Term] | None = None) -> list[LayerMoment]:
+def attention_backward_moments(spec: ModelSpec, dm: Dims, kept: Sequence[Term] | None = None,
+                               ) -> list[tuple[str, int, int, tuple[str, ...]]]:
     """The attention's backward in a compiled layer rebuilt inside the graph
     (``rebuilt_attention_schedule``), as Inductor orders it (one kernel per scheduler node,
     traced: benchmarks/compiled_backward.py, torchtitan's block, bf16, 2 x 64, 2 x 96 and
@@ -335,8 +335,6 @@ def attention_backward_moments(spec: ModelSpec, dm: Dims,
     for the q/k/v weight gradient, of the same bytes at that size alone: under by it there
     (-8.7%). Traced: full AC exact at 2 x 96 tokens; per-op SAC exact at 2 x 64, at 2 x 96
     under by the MLP norm backward's statistics (T fp32), held by reuse there alone."""
-    from memplan.model.layer import LayerMoment
-
     th = dm.rows * spec.hidden_size * dm.e
     q = dm.tokens * spec.num_attention_heads * spec.head_dim * dm.e
     kv = dm.tokens * spec.num_kv_heads * spec.head_dim * dm.e
@@ -351,9 +349,9 @@ def attention_backward_moments(spec: ModelSpec, dm: Dims,
         if not out:
             return []
         alive = common + out + q + kv // dm.e * FP32_BYTES
-    return [LayerMoment("attention_rope", alive, th + q + 2 * kv + 2 * q32 + table, ("mlp",)),
-            LayerMoment("attention_qkv", alive, th + q + 2 * kv + q32 + q + 2 * kv,
-                        ("mlp",))]
+    # (name, alive, transient, the gradients made before: ``layer.LayerMoment``'s first four)
+    return [("attention_rope", alive, th + q + 2 * kv + 2 * q32 + table, ("mlp",)),
+            ("attention_qkv", alive, th + q + 2 * kv + q32 + q + 2 * kv, ("mlp",))]
 
 
 def with_attention_backward(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
@@ -362,9 +360,11 @@ def with_attention_backward(moments: Sequence[LayerMoment], spec: ModelSpec, wl:
     (``attention_backward_moments``) for those of full AC."""
     if not rebuilt_attention_schedule(spec, wl, dm, Recompute.FULL):
         return tuple(moments)
-    own = {"attention_rope", "attention_qkv"}
-    return (tuple(m for m in moments if m.name not in own)
-            + tuple(attention_backward_moments(spec, dm, kept)))
+    own = {name: (alive, transient) for name, alive, transient, _ in
+           attention_backward_moments(spec, dm, kept)}
+    return tuple(m._replace(alive_bytes=own[m.name][0], transient_bytes=own[m.name][1])
+                 if m.name in own else m for m in moments
+                 if m.name in own or m.name not in ("attention_rope", "attention_qkv"))
 
 
 def in_checkpoint(wl: Workload) -> bool:

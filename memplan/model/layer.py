@@ -438,7 +438,7 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
         out.append(LayerMoment("compiled_end", 0, incoming + end, later))
     if not moe_layer and compiled.rebuilt_attention_schedule(spec, wl, dm, recompute):
         # the compiled attention's backward as Inductor orders it
-        out += compiled.attention_backward_moments(spec, dm)
+        out += [LayerMoment(*m) for m in compiled.attention_backward_moments(spec, dm)]
     return out
 
 
