@@ -55,6 +55,7 @@ from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
 from memplan.spec import ActivationImpl, MlpKind, ModelSpec, MoESpec, PositionKind, QkNorm
 from memplan.workload import (
+    Attention,
     AttentionImpl,
     Float8Recipe,
     MoeImpl,
@@ -365,6 +366,41 @@ def with_attention_backward(moments: Sequence[LayerMoment], spec: ModelSpec, wl:
     return tuple(m._replace(alive_bytes=own[m.name][0], transient_bytes=own[m.name][1])
                  if m.name in own else m for m in moments
                  if m.name in own or m.name not in ("attention_rope", "attention_qkv"))
+
+
+def rerun_output_copy_bytes(spec: ModelSpec, wl: Workload, dm: Dims,
+                            recompute: Recompute) -> int:
+    """A compiled layer rebuilt inside the graph (full AC, not ``in_checkpoint``) with
+    transformers' attention (RoPE applied to the head-major q and k with the forward's cos
+    and sin tables, ``RopeCache.FORWARD``: modeling_llama.py ``LlamaAttention.forward``
+    transposes, then ``apply_rotary_pos_emb``): the token-major copy of SDPA's output its
+    rerun makes for the output projection, alive beside SDPA's output from the rerun to the
+    output projection's weight gradient; 0 elsewhere. SDPA's output takes q's layout
+    (torch/_meta_registrations.py ``meta__scaled_dot_product_flash_attention`` and
+    ``_for_cpu``: ``torch.empty_like(query)``), head-major where RoPE's pointwise output is
+    laid out in its own (B, heads, S, d) shape, so ``attn_output.transpose(1, 2)
+    .contiguous()`` (integrations/sdpa_attention.py) copies it. Without recompute the
+    partitioner saves SDPA's output alone and rebuilds the copy in backward (traced); the
+    rerun keeps its own. torchtitan rotates q before the transpose: token-major, no copy.
+    Traced: benchmarks/compiled_backward.py, transformers' layer, bf16, 2 x 1,024 tokens
+    (at the MLP's kernel, one T x h: -3.5% before)."""
+    if not (recompute is Recompute.FULL and not in_checkpoint(wl)
+            and swiglu_backward(spec, dm, Recompute.NONE) and wl.rope_cache is RopeCache.FORWARD
+            and spec.position is PositionKind.ROPE and wl.attention is Attention.FLASH
+            and wl.attention_impl is AttentionImpl.GENERIC and spec.mla is None
+            and not (spec.attn_output_gate or spec.linear_attention) and dm.tp == 1):
+        return 0
+    return dm.tokens * spec.num_attention_heads * spec.head_dim * dm.e
+
+
+def with_output_copy(moments: Sequence[LayerMoment], copy: int) -> list[LayerMoment]:
+    """``moments`` (a rebuilt layer's, from its rerun's end) with ``copy``
+    (``rerun_output_copy_bytes``) alive until the output projection's weight gradient."""
+    out, made = [], False
+    for m in moments:
+        made = made or any(g in ("attn_out", "attn") for g in m.grads_before)
+        out.append(m if made else m._replace(alive_bytes=m.alive_bytes + copy))
+    return out
 
 
 def in_checkpoint(wl: Workload) -> bool:

@@ -576,3 +576,33 @@ def test_compiled_attention_backward_below_hidden(checkpoint: str, seq: int,
     assert backward - stream == traced_backward
     _, _, traced = compiled_layer_step(config, "bfloat16", batch, seq, checkpoint=checkpoint)
     assert traced == traced_backward
+
+
+def test_compiled_full_ac_transformers_output_copy() -> None:
+    """transformers' ``LlamaDecoderLayer`` (bf16) under full AC inside the compiled graph at
+    2 x 256 tokens (T 512 > h 256; one kernel per scheduler node): the backward peaks at the
+    MLP's fused kernel, where the rerun holds SDPA's output (head-major, q's layout: RoPE
+    rotates the transposed q) and its token-major copy for the output projection
+    (``compiled.rerun_output_copy_bytes``). By hand, S = T h 2 = 262,144, F = T f 2 =
+    917,504, K = T 64 2 = 65,536: the kernel's six F; the layer's input and incoming
+    gradient, the attention norm's output, the RoPE'd q, SDPA's output and its copy, the
+    output projection's output, the MLP norm's output (8 S); the RoPE'd k and v (2 K); the
+    logsumexp (2 x 8 x 256 x 4 = 16,384) and two norms' statistics (2 x 2,048): 7,753,728,
+    less one stream 7,491,584 B traced, memplan exact (before, without the copy: -3.5%)."""
+    from memplan.model.layer import grad_group_params
+    from memplan.profile.compiled_trace import compiled_layer_step
+
+    batch, seq = 2, 256
+    s, f, k = batch * seq * 256 * 2, batch * seq * 896 * 2, batch * seq * 64 * 2
+    assert 6 * f + 8 * s + 2 * k + 16_384 + 2 * 2_048 - s == 7_491_584
+    spec = _spec("transformers", False)
+    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure",
+                  recompute=Recompute.FULL, compile=True)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, Recompute.FULL)
+    groups = grad_group_params(spec, 1, 1, False)
+    backward = max(m.alive_bytes + m.transient_bytes
+                   + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    assert backward - s == 7_491_584
+    _, _, traced = compiled_layer_step(TOY, "bfloat16", batch, seq, checkpoint="full")
+    assert traced == 7_491_584
