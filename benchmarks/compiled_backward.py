@@ -31,12 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "traced")
 TITAN = dict(dim=256, n_layers=1, n_heads=8, n_kv_heads=2, vocab_size=1000)
 CASES = [  # (library, fused q/k/v, dtype, checkpoint: none, full or op (per-op SAC), batch, seq)
     ("torchtitan", True, "bfloat16", "full", 2, 64),
+    ("torchtitan", True, "bfloat16", "full", 2, 96),  # T < h, no size coincidence
     ("torchtitan", True, "bfloat16", "full", 2, 1024),
     ("torchtitan", True, "bfloat16", "none", 2, 64),
     ("torchtitan", True, "bfloat16", "none", 2, 1024),
     ("transformers", False, "bfloat16", "full", 2, 1024),
     ("transformers", False, "bfloat16", "none", 2, 1024),
     ("torchtitan", True, "bfloat16", "op", 2, 64),  # torchtitan's per-op SAC
+    ("torchtitan", True, "bfloat16", "op", 2, 96),
     ("torchtitan", True, "bfloat16", "op", 2, 1024),
 ]
 

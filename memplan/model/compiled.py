@@ -53,8 +53,18 @@ from typing import TYPE_CHECKING
 from memplan.model import linear
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
-from memplan.spec import ActivationImpl, MlpKind, ModelSpec, MoESpec
-from memplan.workload import Float8Recipe, MoeImpl, NormImpl, Recompute, TeFp8Recipe, Workload
+from memplan.spec import ActivationImpl, MlpKind, ModelSpec, MoESpec, PositionKind, QkNorm
+from memplan.workload import (
+    Attention,
+    AttentionImpl,
+    Float8Recipe,
+    MoeImpl,
+    NormImpl,
+    Recompute,
+    RopeCache,
+    TeFp8Recipe,
+    Workload,
+)
 
 if TYPE_CHECKING:
     from memplan.model.layer import LayerMoment
@@ -265,6 +275,132 @@ def sac_deferred(moments: Sequence[LayerMoment], rebuilt: Sequence[Term],
                 - sum(t.size_bytes for t in kept if t.name.startswith("sac.attn.")))
     return tuple(m._replace(alive_bytes=m.alive_bytes - max(0, deferred))
                  if m.name == "mlp_act" else m for m in moments)
+
+
+# RoPE's complex64 table: one (real, imaginary) pair of fp32 per rotated pair
+# (torchtitan/models/common/rope.py: torch.polar; ``attention.COMPLEX64_PAIR_BYTES``)
+_COMPLEX64_PAIR_BYTES = 8
+
+
+def rebuilt_attention_schedule(spec: ModelSpec, wl: Workload, dm: Dims,
+                               recompute: Recompute) -> bool:
+    """Whether ``attention_backward_moments`` gives the attention side of a compiled layer's
+    backward: torchtitan's block as traced (fused q/k/v, RoPE as a complex product with the
+    layer's complex64 table, ``RopeCache.LAYER``; SDPA; a plain SwiGLU MLP,
+    ``swiglu_backward``), rebuilt inside the compiled graph (full AC: ``recompute`` FULL, not
+    ``in_checkpoint``; per-op SAC reads the full recompute's moments), one rank's whole
+    sequence (no TP, no CP). Elsewhere (separate q/k/v, transformers' real RoPE, TP) the
+    schedule was not traced and the eager order's moments stand."""
+    return (recompute is Recompute.FULL and not in_checkpoint(wl)
+            and swiglu_backward(spec, dm, Recompute.NONE)
+            and (wl.fused_qkv or spec.fused_qkv) and wl.rope_cache is RopeCache.LAYER
+            and spec.position is PositionKind.ROPE and spec.qk_norm is QkNorm.NONE
+            and wl.attention_impl is AttentionImpl.GENERIC and spec.mla is None
+            and not (spec.attn_output_gate or spec.attn_sinks or spec.linear_attention)
+            and dm.tp == 1 and dm.s == wl.seq_len and dm.rows == dm.tokens)
+
+
+def attention_backward_moments(spec: ModelSpec, dm: Dims, kept: Sequence[Term] | None = None,
+                               ) -> list[tuple[str, int, int, tuple[str, ...]]]:
+    """The attention's backward in a compiled layer rebuilt inside the graph
+    (``rebuilt_attention_schedule``), as Inductor orders it (one kernel per scheduler node,
+    traced: benchmarks/compiled_backward.py, torchtitan's block, bf16, 2 x 64, 2 x 96 and
+    2 x 1,024 tokens, the same order at every size): after the MLP's kernel and all three
+    MLP weight gradients (graph outputs, alive to the end), the two MLP input gradients are
+    not summed, the MLP norm's backward is one kernel with its residual add, and the norms'
+    weight gradients (one fused reduction kernel, torch/_inductor/scheduler.py
+    ``Scheduler.fuse_nodes``), the output projection's and the q/k/v projection's weight
+    gradients and the attention norm's backward run after the attention's backward, at the
+    layer's end. ``reorder_for_peak_memory`` (torch/_inductor/memory.py) keeps that order:
+    its three heuristic orders estimate the same peak as the baseline at both sizes (traced),
+    so no size decides a regime: the backward's peak is the largest of these moments and the
+    MLP's (``swiglu_moments``), the MLP's where T x f outweighs the MLP's weights.
+
+    Alive through the SDPA backward, beside the layer's input and the incoming gradient:
+    the output projection's output (the residual sum is recomputed from it at the end),
+    both MLP input gradients, the attention output's gradient (the output projection's
+    weight gradient reads it), the SDPA output's gradient (kept by Inductor's buffer reuse
+    for the q/k/v input gradient, of its size: codegen/wrapper.py ``AllocateLine.plan``),
+    the MLP norm's statistics; under full AC the attention norm's output and statistics and
+    SDPA's output (the deferred weight gradients read them); under per-op SAC
+    (``kept``, the policy's kept terms) the kept SDPA output, the rerun's RoPE'd q (kept by
+    buffer reuse for the q/k/v input gradient) and k's fp32 upcast (for dk's), the
+    attention norm's output recomputed at the end. Two moments: SDPA's backward's dq, dk,
+    dv with q's RoPE backward (dq's fp32 upcast, its complex product with the table and the
+    table's conjugate resolved into a copy inside ``aten.mul``, a fallback kernel: complex
+    ops are not lowered); then dq's product beside the fused q/k/v gradient (T x (q + 2 kv)).
+    Buffer reuse holds a freed buffer to a later allocation of its bytes and dtype only where
+    that does not raise Inductor's own peak estimate (``AllocateLine.should_reuse_buffer``),
+    which memplan does not compute: the holds counted are those traced at every size. At
+    2 x 64 tokens under full AC one more was, the MLP's up-projection gradient (T x f) held
+    for the q/k/v weight gradient, of the same bytes at that size alone: under by it there
+    (-8.7%). Traced: full AC exact at 2 x 96 tokens; per-op SAC exact at 2 x 64, at 2 x 96
+    under by the MLP norm backward's statistics (T fp32), held by reuse there alone."""
+    th = dm.rows * spec.hidden_size * dm.e
+    q = dm.tokens * spec.num_attention_heads * spec.head_dim * dm.e
+    kv = dm.tokens * spec.num_kv_heads * spec.head_dim * dm.e
+    q32 = q // dm.e * FP32_BYTES
+    stats = dm.rows * FP32_BYTES
+    table = dm.s * (spec.rope_dim // 2) * _COMPLEX64_PAIR_BYTES
+    common = 2 * th + 2 * th + th + q + stats  # input, wo output, MLP input grads, attn grads
+    if kept is None:  # full AC: the attention norm's output and statistics, SDPA's output
+        alive = common + th + stats + q
+    else:
+        out = sum(t.size_bytes for t in kept if t.name == "sac.attn.out")
+        if not out:
+            return []
+        alive = common + out + q + kv // dm.e * FP32_BYTES
+    # (name, alive, transient, the gradients made before: ``layer.LayerMoment``'s first four)
+    return [("attention_rope", alive, th + q + 2 * kv + 2 * q32 + table, ("mlp",)),
+            ("attention_qkv", alive, th + q + 2 * kv + q32 + q + 2 * kv, ("mlp",))]
+
+
+def with_attention_backward(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
+                            dm: Dims, kept: Sequence[Term]) -> tuple[LayerMoment, ...]:
+    """Per-op SAC's moments from the full recompute's: its attention-backward moments
+    (``attention_backward_moments``) for those of full AC."""
+    if not rebuilt_attention_schedule(spec, wl, dm, Recompute.FULL):
+        return tuple(moments)
+    own = {name: (alive, transient) for name, alive, transient, _ in
+           attention_backward_moments(spec, dm, kept)}
+    return tuple(m._replace(alive_bytes=own[m.name][0], transient_bytes=own[m.name][1])
+                 if m.name in own else m for m in moments
+                 if m.name in own or m.name not in ("attention_rope", "attention_qkv"))
+
+
+def rerun_output_copy_bytes(spec: ModelSpec, wl: Workload, dm: Dims,
+                            recompute: Recompute) -> int:
+    """A compiled layer rebuilt inside the graph (full AC, not ``in_checkpoint``) with
+    transformers' attention (RoPE applied to the head-major q and k with the forward's cos
+    and sin tables, ``RopeCache.FORWARD``: modeling_llama.py ``LlamaAttention.forward``
+    transposes, then ``apply_rotary_pos_emb``): the token-major copy of SDPA's output its
+    rerun makes for the output projection, alive beside SDPA's output from the rerun to the
+    output projection's weight gradient; 0 elsewhere. SDPA's output takes q's layout
+    (torch/_meta_registrations.py ``meta__scaled_dot_product_flash_attention`` and
+    ``_for_cpu``: ``torch.empty_like(query)``), head-major where RoPE's pointwise output is
+    laid out in its own (B, heads, S, d) shape, so ``attn_output.transpose(1, 2)
+    .contiguous()`` (integrations/sdpa_attention.py) copies it. Without recompute the
+    partitioner saves SDPA's output alone and rebuilds the copy in backward (traced); the
+    rerun keeps its own. torchtitan rotates q before the transpose: token-major, no copy.
+    Traced: benchmarks/compiled_backward.py, transformers' layer, bf16, 2 x 1,024 tokens
+    (at the MLP's kernel, one T x h: -3.5% before)."""
+    if not (recompute is Recompute.FULL and not in_checkpoint(wl)
+            and swiglu_backward(spec, dm, Recompute.NONE) and wl.rope_cache is RopeCache.FORWARD
+            and spec.position is PositionKind.ROPE and wl.attention is Attention.FLASH
+            and wl.attention_impl is AttentionImpl.GENERIC and spec.mla is None
+            and not (spec.attn_output_gate or spec.linear_attention) and dm.tp == 1):
+        return 0
+    return dm.tokens * spec.num_attention_heads * spec.head_dim * dm.e
+
+
+def with_output_copy(moments: Sequence[LayerMoment], copy: int) -> list[LayerMoment]:
+    """``moments`` (a rebuilt layer's, from its rerun's end) with ``copy``
+    (``rerun_output_copy_bytes``) alive until the output projection's weight gradient."""
+    out, made = [], False
+    for m in moments:
+        made = made or any(g in ("attn_out", "attn") for g in m.grads_before)
+        out.append(m if made else m._replace(alive_bytes=m.alive_bytes + copy))
+    return out
 
 
 def in_checkpoint(wl: Workload) -> bool:

@@ -436,6 +436,11 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
         # the compiled backward's end: every weight gradient made (``compiled.
         # autocast_end_bytes``), the saved set freed
         out.append(LayerMoment("compiled_end", 0, incoming + end, later))
+    if not moe_layer and compiled.rebuilt_attention_schedule(spec, wl, dm, recompute):
+        # the compiled attention's backward as Inductor orders it
+        out += [LayerMoment(*m) for m in compiled.attention_backward_moments(spec, dm)]
+    if not moe_layer and (copy := compiled.rerun_output_copy_bytes(spec, wl, dm, recompute)):
+        out = compiled.with_output_copy(out, copy)  # transformers' rerun's output copy
     return out
 
 
@@ -565,6 +570,7 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         if in_graph and compiled.swiglu_backward(spec, dm, Recompute.NONE):  # traced kernel
             moments = compiled.sac_deferred(moments, _attention_rebuilt(spec, wl, dm, variant),
                                             kept)
+            moments = compiled.with_attention_backward(moments, spec, wl, dm, kept)
         return full._replace(terms=full.terms + kept,
                              saved_bytes=full.saved_bytes + total(kept),
                              forward_peak_bytes=full.forward_peak_bytes + total(kept) - late,

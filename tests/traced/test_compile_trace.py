@@ -533,3 +533,76 @@ def test_compiled_recompute_backward_at_the_mlp_kernel(checkpoint: str,
     assert backward - stream == traced
     if checkpoint == "op":
         assert kind.forward_peak_bytes - stream == forward == 2_768_896
+
+
+@pytest.mark.parametrize("checkpoint,seq,traced_backward", [("full", 96, 2_520_576),
+                                                          ("op", 64, 2_105_856)])
+def test_compiled_attention_backward_below_hidden(checkpoint: str, seq: int,
+                                                  traced_backward: int) -> None:
+    """torchtitan's block (fused wqkv, bf16) recomputed inside the compiled graph with fewer
+    tokens than the hidden size (T 192 and 128 < h 256), where the MLP's weight gradients
+    outweigh its T x f activations: the backward peaks in the attention's backward, at q's
+    RoPE backward after SDPA's, the norms' and the attention projections' weight gradients
+    and the residual sums deferred to the layer's end (``compiled.attention_backward_
+    moments``; one kernel per scheduler node). By hand, S = T h 2, K = T 64 2, the MLP's
+    weight gradients 1,179,648 B, the table seq x 16 x 8:
+
+    - full AC at 2 x 96 (S 98,304, K 24,576): alive 8 S + two statistics (2 x 768) =
+      787,968; in flight 2 S + 2 K + q's fp32 upcast and product (2 x 196,608) + the
+      table (12,288) = 651,264; less one stream: 2,520,576 B traced, memplan exact (before:
+      the eager order's moments, -4.1%);
+    - per-op SAC at 2 x 64 (S 65,536, K 16,384): alive 8 S + 512 + k's fp32 upcast 32,768 =
+      557,568; in flight 434,176; less one stream: 2,105,856 B traced, memplan exact (before
+      -8.0%)."""
+    from memplan.model.layer import grad_group_params
+    from memplan.profile.compiled_trace import compiled_layer_step
+
+    batch = 2
+    config = {"torchtitan": dict(TITAN["torchtitan"], fuse_qkv=True)}
+    spec = _spec("torchtitan", True)
+    recompute = Recompute.FULL if checkpoint == "full" else Recompute.SELECTIVE
+    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure",
+                  recompute=recompute, compile=True, rope_cache="layer", selective_impl="op")
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, recompute)
+    groups = grad_group_params(spec, 1, 1, False)
+    stream = batch * seq * 256 * 2
+    backward = max(m.alive_bytes + m.transient_bytes
+                   + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    s, k, q32, table = stream, batch * seq * 64 * 2, 2 * stream, seq * 16 * 8
+    stats = batch * seq * 4
+    alive = 8 * s + (2 * stats if checkpoint == "full" else stats + 2 * k)
+    assert backward - stream == alive + 2 * s + 2 * k + 2 * q32 + table + 1_179_648 - stream
+    assert backward - stream == traced_backward
+    _, _, traced = compiled_layer_step(config, "bfloat16", batch, seq, checkpoint=checkpoint)
+    assert traced == traced_backward
+
+
+def test_compiled_full_ac_transformers_output_copy() -> None:
+    """transformers' ``LlamaDecoderLayer`` (bf16) under full AC inside the compiled graph at
+    2 x 256 tokens (T 512 > h 256; one kernel per scheduler node): the backward peaks at the
+    MLP's fused kernel, where the rerun holds SDPA's output (head-major, q's layout: RoPE
+    rotates the transposed q) and its token-major copy for the output projection
+    (``compiled.rerun_output_copy_bytes``). By hand, S = T h 2 = 262,144, F = T f 2 =
+    917,504, K = T 64 2 = 65,536: the kernel's six F; the layer's input and incoming
+    gradient, the attention norm's output, the RoPE'd q, SDPA's output and its copy, the
+    output projection's output, the MLP norm's output (8 S); the RoPE'd k and v (2 K); the
+    logsumexp (2 x 8 x 256 x 4 = 16,384) and two norms' statistics (2 x 2,048): 7,753,728,
+    less one stream 7,491,584 B traced, memplan exact (before, without the copy: -3.5%)."""
+    from memplan.model.layer import grad_group_params
+    from memplan.profile.compiled_trace import compiled_layer_step
+
+    batch, seq = 2, 256
+    s, f, k = batch * seq * 256 * 2, batch * seq * 896 * 2, batch * seq * 64 * 2
+    assert 6 * f + 8 * s + 2 * k + 16_384 + 2 * 2_048 - s == 7_491_584
+    spec = _spec("transformers", False)
+    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure",
+                  recompute=Recompute.FULL, compile=True)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, Recompute.FULL)
+    groups = grad_group_params(spec, 1, 1, False)
+    backward = max(m.alive_bytes + m.transient_bytes
+                   + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    assert backward - s == 7_491_584
+    _, _, traced = compiled_layer_step(TOY, "bfloat16", batch, seq, checkpoint="full")
+    assert traced == 7_491_584

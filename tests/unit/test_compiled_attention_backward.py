@@ -1,0 +1,76 @@
+"""The attention's backward in a compiled layer rebuilt inside the graph (torchtitan's block
+under full AC and per-op SAC): ``memplan.model.compiled.attention_backward_moments``, by hand.
+
+The toy: h 256, f 768, 8 query heads and 2 kv heads of 32, bf16, 2 x 64 tokens (T 128). By
+hand: S = T h 2 = 65,536 B (the residual stream, the SDPA output, q); K = T 64 2 = 16,384 B
+(k, v); q's fp32 upcast 131,072 B; a norm's statistics T 4 = 512 B; RoPE's complex64 table
+64 x 16 x 8 = 8,192 B; the three MLP weight gradients 3 h f 2 = 1,179,648 B.
+"""
+
+from __future__ import annotations
+
+from memplan.model import compiled
+from memplan.model.dims import Dims, Term
+from memplan.model.layer import grad_group_params, layer_kind
+from memplan.parallel import ParallelConfig
+from memplan.spec import spec_from_hf_dict
+from memplan.workload import Recompute, Workload
+
+TOY = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 768,
+       "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 1,
+       "vocab_size": 1000, "max_position_embeddings": 1024, "hidden_act": "silu",
+       "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+S, K, Q32, STATS, TABLE = 65_536, 16_384, 131_072, 512, 8_192
+
+
+def _toy(recompute: Recompute, **extra):
+    spec = spec_from_hf_dict(dict(TOY), "toy", "toy").model_copy(update={"fused_qkv": True})
+    wl = Workload(micro_batch_size=2, seq_len=64, precision="bf16-pure", recompute=recompute,
+                  compile=True, rope_cache="layer", selective_impl="op", **extra)
+    return spec, wl, Dims.of(spec, ParallelConfig(), wl)
+
+
+def test_full_ac_attention_moments() -> None:
+    """Full AC: alive beside the input (S) the output projection's output, both MLP input
+    gradients, the attention output's gradient, the SDPA output's gradient, the attention
+    norm's output and SDPA's output (7 S) and both norms' statistics: 8 S + 1,024 =
+    525,312 B. In flight at q's RoPE backward: the incoming gradient, dq, dk, dv, dq's fp32
+    upcast and its complex product, the table's copy: 2 S + 2 K + 2 x 131,072 + 8,192 =
+    434,176 B; at the q/k/v gradient's kernel: the incoming gradient, dq, dk, dv, the
+    product and the fused gradient T x 384 x 2: 2 S + 2 K + 131,072 + S + 2 K = 360,448 B."""
+    spec, wl, dm = _toy(Recompute.FULL)
+    assert compiled.rebuilt_attention_schedule(spec, wl, dm, Recompute.FULL)
+    assert compiled.attention_backward_moments(spec, dm) == [
+        ("attention_rope", 8 * S + 2 * STATS, 2 * S + 2 * K + 2 * Q32 + TABLE, ("mlp",)),
+        ("attention_qkv", 8 * S + 2 * STATS, 3 * S + 4 * K + Q32, ("mlp",))]
+    assert 8 * S + 2 * STATS == 525_312 and 2 * S + 2 * K + 2 * Q32 + TABLE == 434_176
+
+
+def test_per_op_sac_attention_moments() -> None:
+    """Per-op SAC keeping SDPA's output: no attention norm output or statistics (recomputed at
+    the end), the kept SDPA output (S), the rerun's RoPE'd q (S) and k's fp32 upcast
+    (T 64 4 = 32,768 B) instead: 6 S + 512 + 2 S + 32,768 = 557,568 B. The layer's peak is
+    there: 557,568 + 434,176 + 1,179,648 = 2,171,392 B, the traced 2,105,856 B (benchmarks/
+    compiled_backward.py) plus one stream for memplan's input and incoming gradient."""
+    spec, wl, dm = _toy(Recompute.SELECTIVE)
+    kept = [Term("sac.attn.out", S)]
+    moments = compiled.attention_backward_moments(spec, dm, kept)
+    assert moments[0][1] == 8 * S + STATS + 32_768 == 557_568
+    kind = layer_kind(spec, wl, dm, False, Recompute.SELECTIVE)
+    groups = grad_group_params(spec, 1, 1, False)
+    peak = max(m.alive_bytes + m.transient_bytes + 2 * sum(groups[g] for g in m.grads_before)
+               for m in kind.moments)
+    assert peak == 2_171_392 == 557_568 + 434_176 + 1_179_648
+
+
+def test_schedule_only_where_traced() -> None:
+    """Separate q/k/v, transformers' real RoPE (cos/sin tables), no recompute, or TP: the
+    schedule was not traced there; the eager order's moments stand."""
+    spec, wl, dm = _toy(Recompute.FULL)
+    separate = spec.model_copy(update={"fused_qkv": False})
+    assert not compiled.rebuilt_attention_schedule(separate, wl, dm, Recompute.FULL)
+    forward = wl.model_copy(update={"rope_cache": "forward"})
+    assert not compiled.rebuilt_attention_schedule(spec, forward, dm, Recompute.FULL)
+    assert not compiled.rebuilt_attention_schedule(spec, wl, dm, Recompute.NONE)
+    tp = Dims.of(spec, ParallelConfig(tp=2), wl)
+    assert not compiled.rebuilt_attention_schedule(spec, wl, tp, Recompute.FULL)
