@@ -61,8 +61,8 @@ with memplan's message and the run's ``not_expressed``. A record's ``measured_ph
 ``["first_step.forward", "first_step.backward"]``: the run stopped before its first optimizer
 step) compares the most of those phases of the estimate (``phases`` of its JSON) instead of the
 tensor peak, and says so in the row; ``inconsistent`` names a row that the source's own numbers
-contradict, listed under the table (still counted); a published run's ``inconsistent``
-likewise, under the runs' table.
+contradict, listed under the table (still counted); a published run's or a fine-tuning
+run's ``inconsistent`` likewise, under its table.
 
 ``python benchmarks/accuracy_table.py`` writes the doc; ``--check`` exits 1 if it would change.
 """
@@ -734,6 +734,7 @@ def render_finetune(rows: list[Row]) -> list[str]:
             f"| {_cell(run['id'])} | {_source_link(run)} | {run['framework']} | "
             f"{_cell(_layout(run))}; {run['quantity']} ({run['rank']} rank) | "
             f"{_gib(run['measured_bytes'])} | {memplan_cell} | {err_cell} | {_cell(gaps)} |")
+    out += _inconsistent(r.run for r in rows)
     out.append("")
     return out
 

@@ -468,6 +468,23 @@ def test_pending_rows_render_and_are_counted_apart(table):
             in lines)
 
 
+def test_inconsistent_finetune_runs_are_listed_under_their_table(table):
+    """A fine-tuning run with ``inconsistent`` is listed, with that text, under the
+    fine-tuning table; the committed torchtune README row whose number predates its config's
+    truncation (README a95c6b931, untruncated Alpaca samples) is listed in the doc."""
+    odd = table.Row(_run({"model": "tiny", "gpus": 1}, "odd")
+                    | {"inconsistent": "measured a month earlier on longer samples"},
+                    11 * 2**30)
+    lines = table.render_finetune([odd])
+    assert "- `odd`: measured a month earlier on longer samples." in lines
+    assert lines.index("- `odd`: measured a month earlier on longer samples.") > next(
+        k for k, line in enumerate(lines) if line.startswith("| odd |"))
+    doc = (ROOT / "docs" / "accuracy.md").read_text()
+    part = doc[doc.index("## Fine-tuning runs (held out)"):]
+    part = part[:part.index("\n## ", 1)]
+    assert "- `torchtune/llama2-7b/readme-lora-single-device-1x4090`: its 17.18 GB" in part
+
+
 def test_committed_finetune_rows_never_crash(finetune_rows, finetune_runs):
     """Every committed fine-tuning run becomes a row: an estimate, a refusal with its
     message, or the options memplan does not accept yet."""
