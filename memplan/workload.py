@@ -907,8 +907,9 @@ class Workload(Record):
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     base_quant: BaseQuant = BaseQuant.NONE
     adapters_in_model_dtype: bool = Field(default=False, description=(
-        "the adapters peft made fp32 are cast to the model's bf16/fp16 before training "
-        "(DeepSpeed's engine.py _cast_module_mixed_precision): adapters and their gradients in "
+        "the adapters are in the model's bf16/fp16: peft's fp32 ones cast before training "
+        "(DeepSpeed's engine.py _cast_module_mixed_precision), or built in it (torchtune's "
+        "LoRALinear under the recipe's set_default_dtype); adapters and their gradients in "
         "that dtype, with an fp32 master copy under a mixed precision; off: fp32 adapters "
         "updated directly (peft's autocast_adapter_dtype)"))
 

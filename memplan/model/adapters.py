@@ -235,18 +235,21 @@ def assumptions(wl: Workload) -> tuple[str, ...]:
                                       "forward and backward; each weight quantized whole on "
                                       "the GPU at load); embedding, norms and head in "
                                       f"{wl.precision.policy.params.value}"}[wl.base_quant]
-    dtype = (f"adapters cast to {wl.precision.policy.params.value} by the engine, with fp32 "
-             f"master copies (DeepSpeed's _cast_module_mixed_precision)"
-             if wl.adapters_in_model_dtype else "adapters in fp32 (autocast_adapter_dtype)")
-    return (f"LoRA rank {wl.lora_rank} on {targets}, dropout {wl.lora_dropout:g}, as peft "
-            f"builds it: {dtype}, the only parameters "
-            f"with gradients and optimizer states; frozen base weights {base}",)
+    master = (", with fp32 master copies" if wl.precision.policy.master is not None else "")
+    dtype = (f"adapters in the model's {wl.precision.policy.params.value}{master} (cast by "
+             f"DeepSpeed's _cast_module_mixed_precision, or built in it as torchtune's "
+             f"LoRALinear)" if wl.adapters_in_model_dtype
+             else "adapters in fp32 (peft's autocast_adapter_dtype)")
+    return (f"LoRA rank {wl.lora_rank} on {targets}, dropout {wl.lora_dropout:g}: {dtype}, "
+            f"the only parameters with gradients and optimizer states; frozen base weights "
+            f"{base}",)
 
 
 def adapter_policy(wl: Workload) -> PrecisionPolicy:
     """The precision the adapters train in: fp32, updated directly (no master copy: peft's
     autocast_adapter_dtype); where the engine cast them to the model's dtype
-    (``Workload.adapters_in_model_dtype``: DeepSpeed) the workload's own, its gradients in
+    (``Workload.adapters_in_model_dtype``: DeepSpeed), or where they were built in it
+    (torchtune), the workload's own, its gradients in
     that dtype beside an fp32 master copy and the states (the ZeRO optimizer's fp32
     partitions of the trainable parameters: stage3.py ``_create_fp32_partitions``,
     stage_1_and_2.py ``single_partition_of_fp32_groups``)."""
