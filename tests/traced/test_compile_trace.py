@@ -485,6 +485,28 @@ def test_compiled_moe_layer_phase_peaks(config: dict, name: str) -> None:
     assert backward - stream - traced_backward == _MOE_BACKWARD_OVER[name, impl]
 
 
+# torchtitan's block with fused wqkv, as the compiled-layer traces build it
+TITAN_FUSED = {"torchtitan": dict(TITAN["torchtitan"], fuse_qkv=True)}
+
+
+def _titan_rebuilt(checkpoint: str, batch: int, seq: int) -> tuple:
+    """(spec, workload, dims, layer kind, backward peak with its weight gradients, one
+    stream tensor's bytes) of ``TITAN_FUSED`` in bf16 recomputed inside the compiled graph
+    (``checkpoint`` "full", else torchtitan's per-op SAC)."""
+    from memplan.model.layer import grad_group_params
+
+    spec = _spec("torchtitan", True)
+    recompute = Recompute.FULL if checkpoint == "full" else Recompute.SELECTIVE
+    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure",
+                  recompute=recompute, compile=True, rope_cache="layer", selective_impl="op")
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, recompute)
+    groups = grad_group_params(spec, 1, 1, False)
+    backward = max(m.alive_bytes + m.transient_bytes
+                   + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    return spec, wl, dm, kind, backward, batch * seq * 256 * 2
+
+
 @pytest.mark.parametrize("checkpoint,traced_backward", [("full", 6_443_008),
                                                       ("op", 6_178_816)])
 def test_compiled_recompute_backward_at_the_mlp_kernel(checkpoint: str,
@@ -508,26 +530,15 @@ def test_compiled_recompute_backward_at_the_mlp_kernel(checkpoint: str,
     kernel's moment, -2.1% here without it); its forward peaks as full AC's, whose working
     set holds the gate's output the policy keeps: 2,768,896 B traced, memplan exact (before,
     the gate counted twice: +28.4%)."""
-    from memplan.model.layer import grad_group_params
     from memplan.profile.compiled_trace import compiled_layer_step
 
     batch, seq = 2, 256
-    config = {"torchtitan": dict(TITAN["torchtitan"], fuse_qkv=True)}
-    spec = _spec("torchtitan", True)
-    recompute = Recompute.FULL if checkpoint == "full" else Recompute.SELECTIVE
-    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure",
-                  recompute=recompute, compile=True, rope_cache="layer", selective_impl="op")
-    dm = Dims.of(spec, ParallelConfig(), wl)
-    kind = layer_kind(spec, wl, dm, False, recompute)
-    groups = grad_group_params(spec, 1, 1, False)
-    stream = batch * seq * 256 * 2
-    backward = max(m.alive_bytes + m.transient_bytes
-                   + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    spec, wl, dm, kind, backward, stream = _titan_rebuilt(checkpoint, batch, seq)
     saved_none = layer_kind(spec, wl.model_copy(update={"recompute": Recompute.NONE}), dm,
                             False, Recompute.NONE).saved_bytes
     assert saved_none == 4_083_712
     assert 6_443_008 == saved_none + 3 * batch * seq * 768 * 2
-    _, forward, traced = compiled_layer_step(config, "bfloat16", batch, seq,
+    _, forward, traced = compiled_layer_step(TITAN_FUSED, "bfloat16", batch, seq,
                                              checkpoint=checkpoint)
     assert traced == traced_backward
     assert backward - stream == traced
@@ -554,27 +565,16 @@ def test_compiled_attention_backward_below_hidden(checkpoint: str, seq: int,
     - per-op SAC at 2 x 64 (S 65,536, K 16,384): alive 8 S + 512 + k's fp32 upcast 32,768 =
       557,568; in flight 434,176; less one stream: 2,105,856 B traced, memplan exact (before
       -8.0%)."""
-    from memplan.model.layer import grad_group_params
     from memplan.profile.compiled_trace import compiled_layer_step
 
     batch = 2
-    config = {"torchtitan": dict(TITAN["torchtitan"], fuse_qkv=True)}
-    spec = _spec("torchtitan", True)
-    recompute = Recompute.FULL if checkpoint == "full" else Recompute.SELECTIVE
-    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure",
-                  recompute=recompute, compile=True, rope_cache="layer", selective_impl="op")
-    dm = Dims.of(spec, ParallelConfig(), wl)
-    kind = layer_kind(spec, wl, dm, False, recompute)
-    groups = grad_group_params(spec, 1, 1, False)
-    stream = batch * seq * 256 * 2
-    backward = max(m.alive_bytes + m.transient_bytes
-                   + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    _, _, _, _, backward, stream = _titan_rebuilt(checkpoint, batch, seq)
     s, k, q32, table = stream, batch * seq * 64 * 2, 2 * stream, seq * 16 * 8
     stats = batch * seq * 4
     alive = 8 * s + (2 * stats if checkpoint == "full" else stats + 2 * k)
     assert backward - stream == alive + 2 * s + 2 * k + 2 * q32 + table + 1_179_648 - stream
     assert backward - stream == traced_backward
-    _, _, traced = compiled_layer_step(config, "bfloat16", batch, seq, checkpoint=checkpoint)
+    _, _, traced = compiled_layer_step(TITAN_FUSED, "bfloat16", batch, seq, checkpoint=checkpoint)
     assert traced == traced_backward
 
 
