@@ -11,9 +11,10 @@ model and GPU catalogs, calibration profiles - is cached where they are read.)
 
 from __future__ import annotations
 
+from fractions import Fraction
 from functools import lru_cache
 
-from memplan.model.dims import Dims
+from memplan.model.dims import Dims, exact_ratio
 from memplan.model.dims import whole_bytes_each as _whole_bytes_each
 from memplan.model.layer import grad_group_params
 from memplan.model.layer import layer_kind as _layer_kind
@@ -35,8 +36,19 @@ from memplan.workload import Recompute, Workload
 
 layer_kind = lru_cache(maxsize=4096)(_layer_kind)
 grad_groups = lru_cache(maxsize=1024)(grad_group_params)
-# a layer kind's gradient bytes at each of its moments: the same for every micro-batch size
-whole_bytes_each = lru_cache(maxsize=8192)(_whole_bytes_each)
+
+
+def whole_bytes_each(counts: tuple[int, ...], per_item: int | Fraction) -> tuple[int, ...]:
+    """``dims.whole_bytes_each`` (a layer kind's gradient bytes at each of its moments: the
+    same for every micro-batch size), kept per (counts, per_item): keyed by the ratio's numerator
+    and denominator (a ``Fraction`` hashes in Python, an int pair in C)."""
+    return _whole_bytes_each_by(counts, per_item.numerator, per_item.denominator)
+
+
+@lru_cache(maxsize=8192)
+def _whole_bytes_each_by(counts: tuple[int, ...], numerator: int,
+                         denominator: int) -> tuple[int, ...]:
+    return _whole_bytes_each(counts, exact_ratio(numerator, denominator))
 
 
 @lru_cache(maxsize=8192)

@@ -46,7 +46,7 @@ from memplan.parallel import (GradBuffers, ParallelConfig, ZeroStage, optimizer_
                               pipeline_only)
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
-from memplan.workload import Precision, Recompute, TeFp8Recipe, Workload
+from memplan.workload import Recompute, TeFp8Recipe, Workload
 
 # (MoE layer?, recompute policy), and a third for a layer whose mixer differs from the model's
 # attention: "window", a sliding-window layer whose attention differs from the full layers'
@@ -212,9 +212,11 @@ def build_kinds(spec: ModelSpec, wl: Workload, pp: int, vpp: int, stage: int,
         keys += [key] * wl.mtp_layers
         chunk_layers = (*chunk_layers[:-1], (*chunk_layers[-1], *[-1] * wl.mtp_layers))
     positions = first_positions(keys)
-    counts = Counter(keys) if len(positions) > 1 else {keys[0]: len(keys)}
+    # plain dicts: a stage's kinds are compared per evaluation (``estimate._follows``), and a
+    # Counter compares in Python where a dict compares in C
+    counts = dict(Counter(keys)) if len(positions) > 1 else {keys[0]: len(keys)}
     ends = [0, *accumulate(len(chunk) for chunk in chunk_layers)]
-    chunks = [Counter(keys[ends[c]:ends[c + 1]]) for c in range(vpp)]
+    chunks = [dict(Counter(keys[ends[c]:ends[c + 1]])) for c in range(vpp)]
     if spec.param_table is None:
         return StageKinds(keys=keys, positions=positions, counts=counts, runs=runs_of(keys),
                           chunks=chunks)
