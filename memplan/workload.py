@@ -430,12 +430,20 @@ class RopeCache(PlainEnum):
              torchtitan/models/llama/model.py at 9dec370, torchtitan/models/llama3/model.py
              at e7c0cae, models/llama3/model/model.py at v0.2.2; max_seq_len =
              training.seq_len)
+    layer-max
+             a registered fp32 (cos, sin) buffer in every attention layer for the model's
+             ``max_seq_len`` positions, beside its fp32 frequencies, sliced (views) by each
+             forward (torchtune up to 0.1: modules/position_embeddings.py
+             ``RotaryPositionalEmbeddings._rope_init`` and ``build_rope_cache``; every layer
+             its own copy, ``_get_clones`` in modules/transformer.py;
+             ``memplan.model.attention.torchtune_rope_layer_bytes``)
     """
 
     FORWARD = "forward"
     MODEL = "model"
     LAYER = "layer"
     MODEL_COMPLEX = "model-complex"
+    LAYER_MAX = "layer-max"
 
 
 class AttentionImpl(PlainEnum):

@@ -759,13 +759,30 @@ def rope_buffer_bytes(spec: ModelSpec, wl: Workload, num_layers: int) -> int:
     decoder layers, for the training sequence's positions (``Workload.rope_cache``): litgpt's
     model-wide cos and sin in the weights' dtype (Fabric converts floating buffers with the
     module), torchtitan's complex cache in every attention layer, or (before 0.3) one on the
-    model. Not sharded by TP or CP: each rank keeps every position."""
+    model; torchtune's (up to 0.1) fp32 cache in every layer, for the model's positions
+    (``torchtune_rope_layer_bytes``). Not sharded by TP or CP: each rank keeps every
+    position."""
     if spec.position is not PositionKind.ROPE or wl.rope_cache is RopeCache.FORWARD:
         return 0
     if wl.rope_cache is RopeCache.MODEL:
         return 2 * wl.seq_len * spec.rope_dim * wl.precision.policy.params.itemsize
+    if wl.rope_cache is RopeCache.LAYER_MAX:
+        return num_layers * torchtune_rope_layer_bytes(spec)
     table = wl.seq_len * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES
     return table if wl.rope_cache is RopeCache.MODEL_COMPLEX else num_layers * table
+
+
+def torchtune_rope_layer_bytes(spec: ModelSpec) -> int:
+    """One layer's RoPE buffers in torchtune up to 0.1 (``RopeCache.LAYER_MAX``):
+    ``RotaryPositionalEmbeddings._rope_init`` registers ``theta``, head_dim / 2 frequencies
+    made ``.float()``, and ``build_rope_cache`` a ``cache`` of ``torch.stack([cos, sin],
+    dim=-1)`` over ``max_seq_len`` positions, shape (max_seq_len, head_dim / 2, 2), fp32
+    whatever the default dtype (``idx_theta`` is ``.float()``) (modules/position_embeddings.py
+    at 0914d5cf, ff594c23 and fef3ed10). ``lora_llama2_self_attention`` and ``llama2`` build
+    one per layer module, which ``TransformerDecoder`` deep-copies per layer (``_get_clones``).
+    Traced (torchtune 0.1.1, 4 layers, head_dim 64, max_seq_len 128): 131,584 B of buffers."""
+    pairs = spec.rope_dim // 2
+    return (spec.max_seq_len * pairs * 2 + pairs) * FP32_BYTES
 
 
 def eager_mask_bytes(wl: Workload, dm: Dims) -> int:
