@@ -165,6 +165,8 @@ class Segment:
     small: bool
     expandable: bool
     head: Block | None = None
+    # its pool's free set (``CachingAllocator._free``), shared by the pool's segments
+    pool: list | None = field(default=None, repr=False)
 
     @property
     def blocks(self) -> list[Block]:
@@ -309,6 +311,11 @@ class CachingAllocator:
         small = size <= K_SMALL_SIZE  # get_pool
         if not self._expandable and self._fit(key, size, stream, small):
             return True
+        return self._malloc_uncached(key, size, stream, small)
+
+    def _malloc_uncached(self, key: int, size: int, stream: int, small: bool) -> bool:
+        """``malloc`` of a rounded ``size`` past ``_fit`` (without expandable segments: no
+        cached block serves it)."""
         found = self.get_free_block(size, stream, small)
         if found is None:
             found = self.alloc_block(size, stream, small)
@@ -413,7 +420,8 @@ class CachingAllocator:
         return cap is None or self.reserved + nbytes <= cap
 
     def _new_segment(self, stream: int, small: bool, expandable: bool) -> Segment:
-        seg = Segment(self._order, stream, small, expandable)
+        seg = Segment(self._order, stream, small, expandable, None,
+                      self._free.setdefault((stream, small), []))
         self._order += 1
         self.segments.append(seg)
         return seg
@@ -896,20 +904,185 @@ def replay_reserved(events: list[Alloc | Free | Blip], cfg: AllocatorConfig | No
     the allocated bytes are not followed, so a blip that surely makes no segment
     (``CachingAllocator.blip_leaves_nothing``) is passed over (it leaves the allocator as it
     found it); the reserved bytes are kept at ``marks`` (event counts) only. Its reserved
-    peak, the reserved bytes at each mark and the out-of-memory event are ``replay``'s."""
+    peak, the reserved bytes at each mark and the out-of-memory event are ``replay``'s.
+
+    Without expandable segments and power-of-two rounding the common cases run inline
+    (``_replay_fast``: best fit from the cache, a free, a blip that surely makes no
+    segment), the same steps as ``malloc``, ``free`` and ``blip`` take."""
     alloc = CachingAllocator(cfg)
+    run = _replay_fast if not alloc._expandable and alloc._plain_round else _replay_events
     peak_r = 0
     oom: int | None = None
     at: list[int] = []
-    ends = iter(marks)
-    mark = next(ends, None)
     last = 0  # after an allocation that failed: the reserved bytes as ``replay`` last noted
+    pos, n = 0, len(events)
+    for mark in marks:  # the events before each mark in turn
+        hi = min(max(mark, pos), n)
+        if oom is None and hi > pos:
+            peak_r, oom, last = run(alloc, events, pos, hi, peak_r)
+            pos = hi
+        at.append(last if oom is not None else alloc.reserved if mark else 0)
+    if oom is None and pos < n:
+        peak_r, oom, last = run(alloc, events, pos, n, peak_r)
+    return ReservedReplay(tuple(at), peak_r, oom)
+
+
+def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r: int
+                 ) -> tuple[int, int | None, int]:
+    """``_replay_events`` without expandable segments or power-of-two rounding, its common
+    steps inline: an allocation that best fit serves from the cache (``_fit``), a free
+    (``free``, ``_merge_free``), a blip that surely makes no segment
+    (``blip_leaves_nothing``); the rest through the allocator's methods. The allocated
+    bytes are not followed (``replay_reserved`` does not read them)."""
+    live = alloc.live
+    live_pop = live.pop
+    pools = alloc._free
+    limit, non_split = alloc._limit, alloc._non_split
+    quiet, blip = alloc.blip_leaves_nothing, alloc.blip
+    segments = alloc.segments
+    plain = limit == NO_LIMIT  # (blip_leaves_nothing's condition; no expandable segments)
+    cap, large = alloc.cfg.capacity_bytes, alloc.cfg.large_segment_bytes
+    for i, ev in enumerate(events[lo:hi], lo):
+        kind = type(ev)
+        if kind is Free:
+            got = live_pop(ev[0], None)
+            if got is None:
+                alloc.free(ev[0])  # raises
+            seg, block = got
+            pool = seg.pool
+            prev, nxt = block.prev, block.next
+            if prev is not None and prev.state == "free":
+                del pool[bisect_left(pool, prev.entry)]
+                block.offset = prev.offset
+                block.size += prev.size
+                block.prev = before = prev.prev
+                if before is None:
+                    seg.head = block
+                else:
+                    before.next = block
+            if nxt is not None and nxt.state == "free":
+                del pool[bisect_left(pool, nxt.entry)]
+                block.size += nxt.size
+                block.next = after = nxt.next
+                if after is not None:
+                    after.prev = block
+            block.state = "free"
+            block.entry = entry = (block.size, seg.order, block.offset, block, seg)
+            insort(pool, entry)
+            continue
+        if kind is Alloc:
+            key, orig, stream = ev
+            if orig <= 0 or key in live:
+                alloc.malloc(key, orig, stream)  # raises
+            size = (orig + 511) // 512 * 512  # round_size (kMinBlockSize)
+            small = size <= K_SMALL_SIZE
+            pool = pools.get((stream, small))
+            if pool is None:
+                pool = pools.setdefault((stream, small), [])
+            j = bisect_left(pool, (size,))
+            if j < len(pool):
+                found, order, offset, block, seg = pool[j]
+                if not (size < limit <= found
+                        or (size >= limit and found >= size + non_split)):
+                    del pool[j]  # _fit
+                    remaining = found - size
+                    if (remaining >= K_MIN_BLOCK_SIZE if small
+                            else size < limit and remaining > K_SMALL_SIZE):
+                        nxt = block.next
+                        rest = Block(offset + size, remaining, "free", None, block, nxt)
+                        if nxt is not None:
+                            nxt.prev = rest
+                        block.next = rest
+                        block.size = size
+                        rest.entry = entry = (remaining, order, offset + size, rest, seg)
+                        insort(pool, entry)
+                    block.state = "alloc"
+                    live[key] = (seg, block)
+                    continue
+            # get_free_block finds none: alloc_block's new segment (get_allocation_size),
+            # where the capacity allows, split at once (alloc_found_block, should_split)
+            seg_bytes = (K_SMALL_BUFFER if small else large if size < K_MIN_LARGE_ALLOC
+                         else (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE)
+            if cap is None or alloc.reserved + seg_bytes <= cap:
+                order = alloc._order
+                alloc._order = order + 1
+                seg = Segment(order, stream, small, False, None, pool)
+                segments.append(seg)
+                seg.head = block = Block(0, size, "alloc")
+                remaining = seg_bytes - size
+                if (remaining >= K_MIN_BLOCK_SIZE if small
+                        else size < limit and remaining > K_SMALL_SIZE):
+                    block.next = rest = Block(size, remaining, "free", None, block, None)
+                    rest.entry = entry = (remaining, order, size, rest, seg)
+                    insort(pool, entry)
+                else:
+                    block.size = seg_bytes
+                reserved = alloc.reserved = alloc.reserved + seg_bytes
+                live[key] = (seg, block)
+                if reserved > peak_r:
+                    peak_r = reserved
+                continue
+            before = alloc.reserved
+            if not alloc._malloc_uncached(key, size, stream, small):
+                return peak_r, i, before
+        else:
+            # blip_leaves_nothing inline for a blip of one tensor, or of a run and one more
+            # in one pool (``Builder.blip``'s); decided: its answer known
+            sizes, bstream, counts = ev
+            decided = False
+            if plain:
+                if len(sizes) == 1:
+                    size = (sizes[0] + 511) // 512 * 512
+                    small = size <= K_SMALL_SIZE
+                    pool = pools.get((bstream, small))
+                    if pool and pool[-1][0] >= size + (K_MIN_BLOCK_SIZE if small
+                                                       else K_SMALL_SIZE + 1):
+                        continue
+                    decided = True
+                elif len(sizes) == 2 and counts:
+                    size = (sizes[0] + 511) // 512 * 512
+                    other = (sizes[1] + 511) // 512 * 512
+                    small = size <= K_SMALL_SIZE
+                    if small == (other <= K_SMALL_SIZE):
+                        decided = True
+                        pool = pools.get((bstream, small))
+                        if pool:
+                            least = K_MIN_BLOCK_SIZE if small else K_SMALL_SIZE + 1
+                            many, more = counts
+                            if pool[-1][0] >= many * (size + least) + more * (other + least):
+                                continue
+                            unit = (size if size > other else other) + least
+                            held, k, want = 0, len(pool) - 1, many + more
+                            while held < want and k >= 0 and pool[k][0] >= unit:
+                                held += pool[k][0] // unit
+                                k -= 1
+                            if held >= want:
+                                continue
+            runs = ev.runs()
+            if not decided and quiet(runs, bstream):
+                continue
+            before = alloc.reserved
+            got = blip(runs, ev.stream)
+            ok = True
+            if got is None:  # near the capacity: tensor by tensor, as malloc would
+                got, ok = _blip_one_by_one(alloc, ev)
+            for r, _ in got[0]:
+                if r > peak_r:
+                    peak_r = r
+            if not ok:  # reserved as the last allocation before the one that failed left it
+                return peak_r, i, got[0][-1][0] if got[0] else before
+        if alloc.reserved > peak_r:
+            peak_r = alloc.reserved
+    return peak_r, None, 0
+
+
+def _replay_events(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r: int
+                   ) -> tuple[int, int | None, int]:
+    """Events ``lo`` to ``hi`` through ``alloc`` (``replay_reserved``): the reserved peak
+    so far, the event that ran out of memory (None: none) and the reserved bytes then."""
     malloc, free, blip, quiet = (alloc.malloc, alloc.free, alloc.blip,
                                  alloc.blip_leaves_nothing)
-    for i, ev in enumerate(events):
-        while mark is not None and mark <= i:
-            at.append(alloc.reserved if mark else 0)
-            mark = next(ends, None)
+    for i, ev in enumerate(events[lo:hi], lo):
         kind = type(ev)
         if kind is Free:
             free(ev.id)
@@ -927,17 +1100,12 @@ def replay_reserved(events: list[Alloc | Free | Blip], cfg: AllocatorConfig | No
                 if r > peak_r:
                     peak_r = r
             if not ok:  # reserved as the last allocation before the one that failed left it
-                oom, last = i, got[0][-1][0] if got[0] else before
-                break
+                return peak_r, i, got[0][-1][0] if got[0] else before
         elif not malloc(ev.id, ev.size_bytes, ev.stream):
-            oom, last = i, before
-            break
+            return peak_r, i, before
         if alloc.reserved > peak_r:
             peak_r = alloc.reserved
-    while mark is not None:
-        at.append(last if oom is not None else alloc.reserved if mark else 0)
-        mark = next(ends, None)
-    return ReservedReplay(tuple(at), peak_r, oom)
+    return peak_r, None, 0
 
 
 def _blip_one_by_one(alloc: CachingAllocator, ev: Blip
