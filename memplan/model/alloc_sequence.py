@@ -87,9 +87,10 @@ class Builder:
             return
         whole = (size - 1) // piece if piece > 0 else 0  # pieces before the last, smaller one
         last = size - whole * piece
-        self.events.append(Blip((last,), stream) if not whole else
-                           Blip((piece, last), stream, (whole, 1)))
-        self.peak = max(self.peak, self.alive + size)
+        self.events.append(_new(Blip, ((last,), stream, ())) if not whole else
+                           _new(Blip, ((piece, last), stream, (whole, 1))))
+        if self.alive + size > self.peak:
+            self.peak = self.alive + size
 
     def made_and_freed(self, sizes: list[int], stream: int = 0) -> None:
         """Tensors of ``sizes`` made in order, then all freed in the same order (none made
@@ -111,17 +112,29 @@ class Stack:
         self.b, self.items, self.debt = b, [], 0
 
     def push(self, size: int) -> None:
-        key = self.b.alloc(size)
-        if key is not None:
+        if size > 0:  # Builder.alloc
+            b = self.b
+            key = b._next
+            b._next = key + 1
+            b.events.append(_new(Alloc, (key, size, 0)))
+            b.sizes[key] = size
+            alive = b.alive = b.alive + size
+            if alive > b.peak:
+                b.peak = alive
             self.items.append((key, size))
 
     def release(self, nbytes: int) -> None:
         debt = self.debt + nbytes if nbytes > 0 else self.debt
-        items, free = self.items, self.b.free
-        while items and items[-1][1] <= debt:
-            key, size = items.pop()
-            debt -= size
-            free(key)
+        items = self.items
+        if items and items[-1][1] <= debt:
+            b = self.b
+            events, sizes = b.events, b.sizes
+            while items and items[-1][1] <= debt:
+                key, size = items.pop()
+                debt -= size
+                if sizes.pop(key, None) is not None:  # Builder.free
+                    events.append(_new(Free, (key,)))
+                    b.alive -= size
         self.debt = debt
 
     def clear(self) -> None:

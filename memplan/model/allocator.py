@@ -35,6 +35,17 @@ K_ROUND_LARGE = 2097152  # kRoundLarge: round up large allocations to 2 MiB
 # The address space reserved per expandable segment: `prop.totalGlobalMem + totalGlobalMem / 8`.
 NO_LIMIT = 1 << 62  # max_split_size's default, std::numeric_limits<size_t>::max() (CUDAAllocatorConfig)
 
+# A free block's key in its pool's free set: its size, then its segment's creation order, then
+# its offset (BlockComparatorSize's order, the order standing for the address), as one int
+# whose bits hold each (an offset below 2**64, an order below 2**32), so that keys compare as
+# the triples do and ``size << _SIZE`` is the least key of a block of ``size`` bytes.
+_ORDER = 64
+_SIZE = 96
+
+
+def _key(size: int, order: int, offset: int) -> int:
+    return (size << _SIZE) | (order << _ORDER) | offset
+
 
 class AllocatorConfig(Record):
     """The PYTORCH_CUDA_ALLOC_CONF options the model follows, and the device's capacity."""
@@ -152,7 +163,7 @@ class Block:
     size: int
     state: str  # "alloc", "free" or "unmapped" (an expandable segment's unbacked address space)
     # its key in its pool's free set while it is free (``CachingAllocator._add_free``)
-    entry: tuple | None = field(default=None, repr=False)
+    entry: int | None = field(default=None, repr=False)
     # the segment's blocks in address order, linked as Block's prev and next in the source
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
@@ -254,23 +265,22 @@ class CachingAllocator:
         self.retries = 0
         self._order = 0
         # each pool's free blocks in BlockComparatorSize's order (size, then address), kept
-        # as blocks change, so best fit is a binary search
-        self._free: dict[tuple[int, bool], list[tuple[int, int, int, Block, Segment]]] = {}
+        # as blocks change, so best fit is a binary search: each block's key (``_key``: its
+        # size, its segment's order, its offset, as one int), and the key's (block, segment)
+        self._free: dict[tuple[int, bool], list[int]] = {}
+        self._at: dict[int, tuple[Block, Segment]] = {}
 
     def _add_free(self, seg: Segment, block: Block) -> None:
-        block.entry = entry = (block.size, seg.order, block.offset, block, seg)
-        pool = self._free.get((seg.stream, seg.small))
-        if pool is None:
-            self._free[(seg.stream, seg.small)] = [entry]
-        else:
-            insort(pool, entry)
+        block.entry = key = _key(block.size, seg.order, block.offset)
+        self._at[key] = (block, seg)
+        insort(self._free.setdefault((seg.stream, seg.small), []), key)
 
     def _drop_free(self, seg: Segment, block: Block) -> None:
         """Take ``block`` out of its pool's free set (by the key it went in with: a block's
         size and offset change only once it is out)."""
         pool = self._free[(seg.stream, seg.small)]
         i = bisect_left(pool, block.entry)
-        assert pool[i][3] is block
+        assert self._at[pool[i]][0] is block
         del pool[i]
 
     def _merge_free(self, seg: Segment, block: Block) -> None:
@@ -280,7 +290,7 @@ class CachingAllocator:
         prev, nxt = block.prev, block.next
         if prev is not None and prev.state == "free":
             i = bisect_left(pool, prev.entry)
-            assert pool[i][3] is prev
+            assert self._at[pool[i]][0] is prev
             del pool[i]
             block.offset = prev.offset
             block.size += prev.size
@@ -291,15 +301,16 @@ class CachingAllocator:
                 before.next = block
         if nxt is not None and nxt.state == "free":
             i = bisect_left(pool, nxt.entry)
-            assert pool[i][3] is nxt
+            assert self._at[pool[i]][0] is nxt
             del pool[i]
             block.size += nxt.size
             block.next = after = nxt.next
             if after is not None:
                 after.prev = block
         block.state = "free"
-        block.entry = entry = (block.size, seg.order, block.offset, block, seg)
-        insort(pool, entry)
+        block.entry = key = _key(block.size, seg.order, block.offset)
+        self._at[key] = (block, seg)
+        insort(pool, key)
 
     # --- malloc -------------------------------------------------------------------------------
     def malloc(self, key: int, orig_size: int, stream: int = 0) -> bool:
@@ -345,10 +356,11 @@ class CachingAllocator:
         pool = self._free.get((stream, small))
         if not pool:
             return False
-        i = bisect_left(pool, (size,))
+        i = bisect_left(pool, size << _SIZE)
         if i == len(pool):
             return False
-        found, _, offset, block, seg = pool[i]
+        block, seg = self._at[pool[i]]
+        found, offset = block.size, block.offset
         limit = self._limit
         if (size < limit <= found
                 or (size >= limit and found >= size + self._non_split)):
@@ -361,7 +373,8 @@ class CachingAllocator:
                 block.next.prev = rest
             block.next = rest
             block.size = size
-            rest.entry = entry = (remaining, seg.order, offset + size, rest, seg)
+            rest.entry = entry = _key(remaining, seg.order, offset + size)
+            self._at[entry] = (rest, seg)
             insort(pool, entry)
         block.state = "alloc"
         self.allocated += block.size
@@ -370,7 +383,7 @@ class CachingAllocator:
 
     def _free_blocks(self, stream: int, small: bool) -> list[tuple[Segment, Block]]:
         """The pool's free set, ordered as BlockComparatorSize orders it (size, then address)."""
-        return [(k[4], k[3]) for k in self._free.get((stream, small), [])]
+        return [self._at[k][::-1] for k in self._free.get((stream, small), [])]
 
     @staticmethod
     def _expandable_size(seg: Segment, block: Block) -> int:
@@ -381,18 +394,19 @@ class CachingAllocator:
         """DeviceCachingAllocator::get_free_block: the smallest free block of the pool and stream
         that fits (lower_bound on size); the max_split_size rules for oversize blocks."""
         pool = self._free.get((stream, small), [])
-        i = bisect_left(pool, (size,))
+        i = bisect_left(pool, size << _SIZE)
         if i == len(pool):
             return None
-        if pool[i][4].expandable:  # best fit by the size the block can grow to
+        at = self._at
+        if at[pool[i]][1].expandable:  # best fit by the size the block can grow to
             while (
                 i + 1 < len(pool)
-                and pool[i][4].expandable
-                and self._expandable_size(pool[i + 1][4], pool[i + 1][3])
-                < self._expandable_size(pool[i][4], pool[i][3])
+                and at[pool[i]][1].expandable
+                and self._expandable_size(at[pool[i + 1]][1], at[pool[i + 1]][0])
+                < self._expandable_size(at[pool[i]][1], at[pool[i]][0])
             ):
                 i += 1
-        seg, block = pool[i][4], pool[i][3]
+        block, seg = at[pool[i]]
         limit = self.cfg.max_split_size_bytes
         if size < limit and block.size >= limit:
             return None  # do not return an oversized block for a smaller request
@@ -568,12 +582,12 @@ class CachingAllocator:
             pool = self._free.get((stream, small))
             if not pool:
                 return False
-            if pool[-1][0] >= total:
+            if pool[-1] >> _SIZE >= total:
                 continue
             unit = largest + (K_MIN_BLOCK_SIZE if small else K_SMALL_SIZE + 1)
             held, i = 0, len(pool) - 1
-            while held < count and i >= 0 and pool[i][0] >= unit:
-                held += pool[i][0] // unit
+            while held < count and i >= 0 and pool[i] >> _SIZE >= unit:
+                held += (pool[i] >> _SIZE) // unit
                 i -= 1
             if held < count:
                 return False
@@ -591,7 +605,7 @@ class CachingAllocator:
         fits (``_blip_row``), or a new segment each (``_blip_segments``)."""
         cfg = self.cfg
         pool = self._free.get((stream, small), ())
-        n, first = len(pool), bisect_left(pool, (size,))
+        n, first = len(pool), bisect_left(pool, size << _SIZE)
         limit = cfg.max_split_size_bytes
         least = K_MIN_BLOCK_SIZE if small else (K_SMALL_SIZE + 1 if size < limit else NO_LIMIT)
         segment = get_allocation_size(size, cfg.large_segment_bytes)
@@ -601,7 +615,8 @@ class CachingAllocator:
             i = first
             while i in skip:
                 i += 1
-            a = pool[i][0] if i < n else None
+            first = i  # (those before are taken, and stay so)
+            a = pool[i] >> _SIZE if i < n else None
             j = bisect_left(mine, size) if mine else 0
             b = mine[j] if j < len(mine) else None
             from_pool = a is not None and (b is None or a <= b)
@@ -676,8 +691,8 @@ class CachingAllocator:
                    else min((k for k in skip if i <= k < end), default=end))
         made, k = 0, i
         while k < end and made < count:
-            c = pool[k][0]
-            group = bisect_left(pool, (c + 1,), k, end) - k  # blocks of c bytes
+            c = pool[k] >> _SIZE
+            group = bisect_left(pool, (c + 1) << _SIZE, k, end) - k  # blocks of c bytes
             each, rest = divmod(c, size)
             full = (count - made) // each
             if group < full:
@@ -936,7 +951,7 @@ def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r
     bytes are not followed (``replay_reserved`` does not read them)."""
     live = alloc.live
     live_pop = live.pop
-    pools = alloc._free
+    pools, at = alloc._free, alloc._at
     limit, non_split = alloc._limit, alloc._non_split
     quiet, blip = alloc.blip_leaves_nothing, alloc.blip
     segments = alloc.segments
@@ -967,7 +982,8 @@ def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r
                 if after is not None:
                     after.prev = block
             block.state = "free"
-            block.entry = entry = (block.size, seg.order, block.offset, block, seg)
+            block.entry = entry = (block.size << _SIZE) | (seg.order << _ORDER) | block.offset
+            at[entry] = (block, seg)
             insort(pool, entry)
             continue
         if kind is Alloc:
@@ -979,9 +995,10 @@ def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r
             pool = pools.get((stream, small))
             if pool is None:
                 pool = pools.setdefault((stream, small), [])
-            j = bisect_left(pool, (size,))
+            j = bisect_left(pool, size << _SIZE)
             if j < len(pool):
-                found, order, offset, block, seg = pool[j]
+                block, seg = at[pool[j]]
+                found, offset = block.size, block.offset
                 if not (size < limit <= found
                         or (size >= limit and found >= size + non_split)):
                     del pool[j]  # _fit
@@ -994,7 +1011,9 @@ def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r
                             nxt.prev = rest
                         block.next = rest
                         block.size = size
-                        rest.entry = entry = (remaining, order, offset + size, rest, seg)
+                        rest.entry = entry = ((remaining << _SIZE) | (seg.order << _ORDER)
+                                              | (offset + size))
+                        at[entry] = (rest, seg)
                         insort(pool, entry)
                     block.state = "alloc"
                     live[key] = (seg, block)
@@ -1013,7 +1032,8 @@ def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r
                 if (remaining >= K_MIN_BLOCK_SIZE if small
                         else size < limit and remaining > K_SMALL_SIZE):
                     block.next = rest = Block(size, remaining, "free", None, block, None)
-                    rest.entry = entry = (remaining, order, size, rest, seg)
+                    rest.entry = entry = (remaining << _SIZE) | (order << _ORDER) | size
+                    at[entry] = (rest, seg)
                     insort(pool, entry)
                 else:
                     block.size = seg_bytes
@@ -1035,8 +1055,8 @@ def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r
                     size = (sizes[0] + 511) // 512 * 512
                     small = size <= K_SMALL_SIZE
                     pool = pools.get((bstream, small))
-                    if pool and pool[-1][0] >= size + (K_MIN_BLOCK_SIZE if small
-                                                       else K_SMALL_SIZE + 1):
+                    if pool and pool[-1] >> _SIZE >= size + (K_MIN_BLOCK_SIZE if small
+                                                             else K_SMALL_SIZE + 1):
                         continue
                     decided = True
                 elif len(sizes) == 2 and counts:
@@ -1049,12 +1069,13 @@ def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r
                         if pool:
                             least = K_MIN_BLOCK_SIZE if small else K_SMALL_SIZE + 1
                             many, more = counts
-                            if pool[-1][0] >= many * (size + least) + more * (other + least):
+                            if (pool[-1] >> _SIZE
+                                    >= many * (size + least) + more * (other + least)):
                                 continue
                             unit = (size if size > other else other) + least
                             held, k, want = 0, len(pool) - 1, many + more
-                            while held < want and k >= 0 and pool[k][0] >= unit:
-                                held += pool[k][0] // unit
+                            while held < want and k >= 0 and pool[k] >> _SIZE >= unit:
+                                held += (pool[k] >> _SIZE) // unit
                                 k -= 1
                             if held >= want:
                                 continue
