@@ -957,6 +957,8 @@ def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r
     segments = alloc.segments
     plain = limit == NO_LIMIT  # (blip_leaves_nothing's condition; no expandable segments)
     cap, large = alloc.cfg.capacity_bytes, alloc.cfg.large_segment_bytes
+    # stream 0's pools, the common ones
+    small_0, large_0 = pools.setdefault((0, True), []), pools.setdefault((0, False), [])
     for i, ev in enumerate(events[lo:hi], lo):
         kind = type(ev)
         if kind is Free:
@@ -966,10 +968,11 @@ def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r
             seg, block = got
             pool = seg.pool
             prev, nxt = block.prev, block.next
+            size = block.size
             if prev is not None and prev.state == "free":
                 del pool[bisect_left(pool, prev.entry)]
                 block.offset = prev.offset
-                block.size += prev.size
+                size += prev.size
                 block.prev = before = prev.prev
                 if before is None:
                     seg.head = block
@@ -977,12 +980,13 @@ def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r
                     before.next = block
             if nxt is not None and nxt.state == "free":
                 del pool[bisect_left(pool, nxt.entry)]
-                block.size += nxt.size
+                size += nxt.size
                 block.next = after = nxt.next
                 if after is not None:
                     after.prev = block
+            block.size = size
             block.state = "free"
-            block.entry = entry = (block.size << _SIZE) | (seg.order << _ORDER) | block.offset
+            block.entry = entry = (size << _SIZE) | (seg.order << _ORDER) | block.offset
             at[entry] = (block, seg)
             insort(pool, entry)
             continue
@@ -992,9 +996,8 @@ def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r
                 alloc.malloc(key, orig, stream)  # raises
             size = (orig + 511) // 512 * 512  # round_size (kMinBlockSize)
             small = size <= K_SMALL_SIZE
-            pool = pools.get((stream, small))
-            if pool is None:
-                pool = pools.setdefault((stream, small), [])
+            pool = ((small_0 if small else large_0) if stream == 0
+                    else pools.setdefault((stream, small), []))
             j = bisect_left(pool, size << _SIZE)
             if j < len(pool):
                 block, seg = at[pool[j]]
