@@ -530,13 +530,16 @@ class CachingAllocator:
             return None
         # by pool: the free set's indices taken, the blip's own remainders (sorted)
         taken, extra = {False: set(), True: set()}, {False: [], True: []}
+        # by pool: from an index taken, the next one that may not be (all between are taken)
+        jumps: dict[bool, dict[int, int]] = {False: {}, True: {}}
         made: list[tuple[bool, int]] = []  # (small pool, bytes) of each segment made
         acc = [self.reserved, self.allocated, None, False]  # (``_blip_run``)
         divisions = self.cfg.roundup_power2_divisions
         for orig, count in runs:  # a blip's tensors are mostly of one size
             size = round_size(orig, divisions)
             small = size <= K_SMALL_SIZE
-            if not self._blip_run(size, count, small, stream, taken[small], extra[small],
+            if not self._blip_run(size, count, small, stream, taken[small], jumps[small],
+                                  extra[small],
                                   made, acc):
                 return None
         self._free_segments(stream, made)
@@ -594,6 +597,7 @@ class CachingAllocator:
         return True
 
     def _blip_run(self, size: int, count: int, small: bool, stream: int, skip: set[int],
+                  jump: dict[int, int],
                   mine: list[int], made: list[tuple[bool, int]], acc: list) -> bool:
         """``count`` tensors of rounded ``size`` of a blip, each by best fit over the pool's
         free blocks less those ``skip`` names and the blip's own remainders ``mine``, or a
@@ -613,8 +617,13 @@ class CachingAllocator:
         fast = limit == NO_LIMIT
         while count:
             i = first
-            while i in skip:
-                i += 1
+            if i in skip:  # past the blocks taken (``jump``: where a scan went on)
+                passed = []
+                while i in skip:
+                    passed.append(i)
+                    i = jump.get(i, i + 1)
+                for k in passed:
+                    jump[k] = i
             first = i  # (those before are taken, and stay so)
             a = pool[i] >> _SIZE if i < n else None
             j = bisect_left(mine, size) if mine else 0
