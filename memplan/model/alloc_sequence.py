@@ -123,6 +123,22 @@ class Stack:
                 b.peak = alive
             self.items.append((key, size))
 
+    def push_all(self, sizes) -> None:
+        """``push`` each of ``sizes`` in turn."""
+        b = self.b
+        events, made, items = b.events, b.sizes, self.items
+        key, alive, peak = b._next, b.alive, b.peak
+        for size in sizes:
+            if size > 0:
+                events.append(_new(Alloc, (key, size, 0)))
+                made[key] = size
+                items.append((key, size))
+                key += 1
+                alive += size
+                if alive > peak:
+                    peak = alive
+        b._next, b.alive, b.peak = key, alive, peak
+
     def release(self, nbytes: int) -> None:
         debt = self.debt + nbytes if nbytes > 0 else self.debt
         items = self.items
@@ -284,8 +300,7 @@ def _forward(r: _Run, steady: bool, acts: Stack, cached: list[int | None]) -> No
                     b.blip(p.before.transient, stream=r.s.gather_stream)
                 # one gathered buffer beside the layer
                 gathered = b.alloc(p.beside, r.s.gather_stream)
-                for term in kind.terms:
-                    acts.push(term.size_bytes)
+                acts.push_all([term.size_bytes for term in kind.terms])
                 cached.append(b.alloc(kind.cached_bytes))
                 b.blip(kind.forward_peak_bytes - kind.saved_bytes - kind.cached_bytes,
                        r.s.piece)
@@ -416,9 +431,9 @@ def _layer_backward(r: _Run, acts: Stack, kind, layer: LayerTensors,
     gathered = b.alloc(p.beside, r.s.gather_stream)
     made = 0
     alive = kind.saved_bytes
-    for size in rebuild:
-        acts.push(size)
-        alive += size
+    if rebuild:
+        acts.push_all(rebuild)
+        alive += sum(rebuild)
     for j, moment in enumerate(kind.moments):
         while growing and grads and made < moment_grads[j]:
             size = grads.pop()
