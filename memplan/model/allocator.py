@@ -1059,7 +1059,7 @@ def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r
                 return peak_r, i, before
         else:
             # blip_leaves_nothing inline for a blip of one tensor, or of a run and one more
-            # in one pool (``Builder.blip``'s); decided: its answer known
+            # (``Builder.blip``'s) in one pool or a run in each; decided: its answer known
             sizes, bstream, counts = ev
             decided = False
             if plain:
@@ -1075,7 +1075,25 @@ def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r
                     size = (sizes[0] + 511) // 512 * 512
                     other = (sizes[1] + 511) // 512 * 512
                     small = size <= K_SMALL_SIZE
-                    if small == (other <= K_SMALL_SIZE):
+                    if small != (other <= K_SMALL_SIZE):  # a run in each pool
+                        decided = True
+                        for one, many, in_small in ((size, counts[0], small),
+                                                    (other, counts[1], not small)):
+                            pool = pools.get((bstream, in_small))
+                            if not pool:
+                                break
+                            unit = one + (K_MIN_BLOCK_SIZE if in_small else K_SMALL_SIZE + 1)
+                            if pool[-1] >> _SIZE >= many * unit:
+                                continue
+                            held, k = 0, len(pool) - 1
+                            while held < many and k >= 0 and pool[k] >> _SIZE >= unit:
+                                held += (pool[k] >> _SIZE) // unit
+                                k -= 1
+                            if held < many:
+                                break
+                        else:
+                            continue
+                    else:
                         decided = True
                         pool = pools.get((bstream, small))
                         if pool:
