@@ -464,8 +464,8 @@ def test_the_reserved_replay_is_the_replay_read_at_marks(conf: str,
     """A property over seeded random sequences (blips repeated beside tensors kept and freed,
     as a stage's sequence has them): ``replay_reserved`` gives ``replay``'s reserved bytes at
     every mark, its reserved peak and the same out-of-memory event, though it passes over
-    the blips ``blip_leaves_nothing`` is sure of (it does: the count is checked), under each
-    configuration and a capacity that runs out."""
+    the blips ``blip_leaves_nothing`` is sure of (it does: the count of blips it replayed
+    through ``blip`` is checked), under each configuration and a capacity that runs out."""
     import random
 
     from memplan.model import allocator
@@ -475,16 +475,14 @@ def test_the_reserved_replay_is_the_replay_read_at_marks(conf: str,
     cfg = parse_alloc_conf("" if conf == "capacity" else conf, cap)
     rng = random.Random(20261205)
     sizes = [300, 900 * 1024, 5 * MiB + 7, 12 * MiB + 5 * 1024, 24 * MiB, 64 * MiB]
-    passed_over = ran_out = 0
-    sure = allocator.CachingAllocator.blip_leaves_nothing
+    passed_over = ran_out = replayed = 0
+    whole = allocator.CachingAllocator.blip
 
     def counted(self, runs, stream=0):  # type: ignore[no-untyped-def]
-        nonlocal passed_over
-        got = sure(self, runs, stream)
-        passed_over += got
-        return got
+        nonlocal replayed
+        replayed += 1
+        return whole(self, runs, stream)
 
-    monkeypatch.setattr(allocator.CachingAllocator, "blip_leaves_nothing", counted)
     for _ in range(60):
         events, live, key = [], [], 0
         blip = Blip((rng.choice(sizes),), 0)
@@ -506,8 +504,13 @@ def test_the_reserved_replay_is_the_replay_read_at_marks(conf: str,
         full = replay(events, cfg)
         got = full.reserved_bytes
         want = tuple(got[min(m, len(got)) - 1] if m and got else 0 for m in marks)
-        quick = replay_reserved(events, cfg, marks)
+        replayed = 0
+        with monkeypatch.context() as patch:
+            patch.setattr(allocator.CachingAllocator, "blip", counted)
+            quick = replay_reserved(events, cfg, marks)
         assert quick == (want, full.reserved_peak_bytes, full.oom_event)
+        reached = events if full.oom_event is None else events[:full.oom_event + 1]
+        passed_over += sum(type(e) is Blip for e in reached) - replayed
         ran_out += full.out_of_memory
     assert ran_out > 0 if conf == "capacity" else ran_out == 0
     assert passed_over > 100 if conf in ("", "roundup_power2_divisions:4", "capacity") else (
