@@ -954,166 +954,34 @@ def replay_reserved(events: list[Alloc | Free | Blip], cfg: AllocatorConfig | No
 def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r: int
                  ) -> tuple[int, int | None, int]:
     """``_replay_events`` without expandable segments or power-of-two rounding, its common
-    steps inline: an allocation that best fit serves from the cache (``_fit``), a free
-    (``free``, ``_merge_free``), a blip that surely makes no segment
-    (``blip_leaves_nothing``); the rest through the allocator's methods. The allocated
-    bytes are not followed (``replay_reserved`` does not read them)."""
+    steps inline: a free (``_free_inline``), an allocation from the cache or a new segment
+    (``_take_inline``), a blip that surely makes no segment (``_quiet_inline``); the rest
+    through the allocator's methods. The allocated bytes are not followed
+    (``replay_reserved`` does not read them)."""
     live = alloc.live
-    live_pop = live.pop
-    pools, at = alloc._free, alloc._at
-    limit, non_split = alloc._limit, alloc._non_split
-    quiet, blip = alloc.blip_leaves_nothing, alloc.blip
-    segments = alloc.segments
-    plain = limit == NO_LIMIT  # (blip_leaves_nothing's condition; no expandable segments)
-    cap, large = alloc.cfg.capacity_bytes, alloc.cfg.large_segment_bytes
-    # stream 0's pools, the common ones
-    small_0, large_0 = pools.setdefault((0, True), []), pools.setdefault((0, False), [])
+    release, take, quiet, blip = _free_inline, _take_inline, _quiet_inline, alloc.blip
     for i, ev in enumerate(events[lo:hi], lo):
         kind = type(ev)
         if kind is Free:
-            got = live_pop(ev[0], None)
-            if got is None:
-                alloc.free(ev[0])  # raises
-            seg, block = got
-            pool = seg.pool
-            prev, nxt = block.prev, block.next
-            size = block.size
-            if prev is not None and prev.state == "free":
-                del pool[bisect_left(pool, prev.entry)]
-                block.offset = prev.offset
-                size += prev.size
-                block.prev = before = prev.prev
-                if before is None:
-                    seg.head = block
-                else:
-                    before.next = block
-            if nxt is not None and nxt.state == "free":
-                del pool[bisect_left(pool, nxt.entry)]
-                size += nxt.size
-                block.next = after = nxt.next
-                if after is not None:
-                    after.prev = block
-            block.size = size
-            block.state = "free"
-            block.entry = entry = (size << _SIZE) | (seg.order << _ORDER) | block.offset
-            at[entry] = (block, seg)
-            insort(pool, entry)
+            release(alloc, ev[0])
             continue
+        before = alloc.reserved
         if kind is Alloc:
             key, orig, stream = ev
             if orig <= 0 or key in live:
                 alloc.malloc(key, orig, stream)  # raises
             size = (orig + 511) // 512 * 512  # round_size (kMinBlockSize)
             small = size <= K_SMALL_SIZE
-            pool = ((small_0 if small else large_0) if stream == 0
-                    else pools.setdefault((stream, small), []))
-            j = bisect_left(pool, size << _SIZE)
-            if j < len(pool):
-                block, seg = at[pool[j]]
-                found, offset = block.size, block.offset
-                if not (size < limit <= found
-                        or (size >= limit and found >= size + non_split)):
-                    del pool[j]  # _fit
-                    remaining = found - size
-                    if (remaining >= K_MIN_BLOCK_SIZE if small
-                            else size < limit and remaining > K_SMALL_SIZE):
-                        nxt = block.next
-                        rest = Block(offset + size, remaining, "free", None, block, nxt)
-                        if nxt is not None:
-                            nxt.prev = rest
-                        block.next = rest
-                        block.size = size
-                        rest.entry = entry = ((remaining << _SIZE) | (seg.order << _ORDER)
-                                              | (offset + size))
-                        at[entry] = (rest, seg)
-                        insort(pool, entry)
-                    block.state = "alloc"
-                    live[key] = (seg, block)
-                    continue
-            # get_free_block finds none: alloc_block's new segment (get_allocation_size),
-            # where the capacity allows, split at once (alloc_found_block, should_split)
-            seg_bytes = (K_SMALL_BUFFER if small else large if size < K_MIN_LARGE_ALLOC
-                         else (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE)
-            if cap is None or alloc.reserved + seg_bytes <= cap:
-                order = alloc._order
-                alloc._order = order + 1
-                seg = Segment(order, stream, small, False, None, pool)
-                segments.append(seg)
-                seg.head = block = Block(0, size, "alloc")
-                remaining = seg_bytes - size
-                if (remaining >= K_MIN_BLOCK_SIZE if small
-                        else size < limit and remaining > K_SMALL_SIZE):
-                    block.next = rest = Block(size, remaining, "free", None, block, None)
-                    rest.entry = entry = (remaining << _SIZE) | (order << _ORDER) | size
-                    at[entry] = (rest, seg)
-                    insort(pool, entry)
-                else:
-                    block.size = seg_bytes
-                reserved = alloc.reserved = alloc.reserved + seg_bytes
-                live[key] = (seg, block)
-                if reserved > peak_r:
-                    peak_r = reserved
+            if take(alloc, key, size, stream, small):
+                if alloc.reserved > peak_r:
+                    peak_r = alloc.reserved
                 continue
-            before = alloc.reserved
             if not alloc._malloc_uncached(key, size, stream, small):
                 return peak_r, i, before
         else:
-            # blip_leaves_nothing inline for a blip of one tensor, or of a run and one more
-            # (``Builder.blip``'s) in one pool or a run in each; decided: its answer known
-            sizes, bstream, counts = ev
-            decided = False
-            if plain:
-                if len(sizes) == 1:
-                    size = (sizes[0] + 511) // 512 * 512
-                    small = size <= K_SMALL_SIZE
-                    pool = pools.get((bstream, small))
-                    if pool and pool[-1] >> _SIZE >= size + (K_MIN_BLOCK_SIZE if small
-                                                             else K_SMALL_SIZE + 1):
-                        continue
-                    decided = True
-                elif len(sizes) == 2 and counts:
-                    size = (sizes[0] + 511) // 512 * 512
-                    other = (sizes[1] + 511) // 512 * 512
-                    small = size <= K_SMALL_SIZE
-                    if small != (other <= K_SMALL_SIZE):  # a run in each pool
-                        decided = True
-                        for one, many, in_small in ((size, counts[0], small),
-                                                    (other, counts[1], not small)):
-                            pool = pools.get((bstream, in_small))
-                            if not pool:
-                                break
-                            unit = one + (K_MIN_BLOCK_SIZE if in_small else K_SMALL_SIZE + 1)
-                            if pool[-1] >> _SIZE >= many * unit:
-                                continue
-                            held, k = 0, len(pool) - 1
-                            while held < many and k >= 0 and pool[k] >> _SIZE >= unit:
-                                held += (pool[k] >> _SIZE) // unit
-                                k -= 1
-                            if held < many:
-                                break
-                        else:
-                            continue
-                    else:
-                        decided = True
-                        pool = pools.get((bstream, small))
-                        if pool:
-                            least = K_MIN_BLOCK_SIZE if small else K_SMALL_SIZE + 1
-                            many, more = counts
-                            if (pool[-1] >> _SIZE
-                                    >= many * (size + least) + more * (other + least)):
-                                continue
-                            unit = (size if size > other else other) + least
-                            held, k, want = 0, len(pool) - 1, many + more
-                            while held < want and k >= 0 and pool[k] >> _SIZE >= unit:
-                                held += (pool[k] >> _SIZE) // unit
-                                k -= 1
-                            if held >= want:
-                                continue
-            runs = ev.runs()
-            if not decided and quiet(runs, bstream):
+            if quiet(alloc, ev):
                 continue
-            before = alloc.reserved
-            got = blip(runs, ev.stream)
+            got = blip(ev.runs(), ev.stream)
             ok = True
             if got is None:  # near the capacity: tensor by tensor, as malloc would
                 got, ok = _blip_one_by_one(alloc, ev)
@@ -1125,6 +993,142 @@ def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r
         if alloc.reserved > peak_r:
             peak_r = alloc.reserved
     return peak_r, None, 0
+
+
+def _free_inline(alloc: CachingAllocator, key: int) -> None:
+    """``free`` (``_merge_free``: the block absorbs its free neighbours) in one function."""
+    got = alloc.live.pop(key, None)
+    if got is None:
+        alloc.free(key)  # raises
+    seg, block = got
+    pool = seg.pool
+    prev, nxt = block.prev, block.next
+    size = block.size
+    if prev is not None and prev.state == "free":
+        del pool[bisect_left(pool, prev.entry)]
+        block.offset = prev.offset
+        size += prev.size
+        block.prev = before = prev.prev
+        if before is None:
+            seg.head = block
+        else:
+            before.next = block
+    if nxt is not None and nxt.state == "free":
+        del pool[bisect_left(pool, nxt.entry)]
+        size += nxt.size
+        block.next = after = nxt.next
+        if after is not None:
+            after.prev = block
+    block.size = size
+    block.state = "free"
+    block.entry = entry = (size << _SIZE) | (seg.order << _ORDER) | block.offset
+    alloc._at[entry] = (block, seg)
+    insort(pool, entry)
+
+
+def _take_inline(alloc: CachingAllocator, key: int, size: int, stream: int, small: bool
+                 ) -> bool:
+    """``_fit`` (best fit from the cache, split if should_split), else where get_free_block
+    finds none and the capacity allows, alloc_block's new segment split at once
+    (``_segment_inline``); False, nothing changed, where neither applies."""
+    pool = alloc._free.get((stream, small))
+    if pool is None:
+        pool = alloc._free.setdefault((stream, small), [])
+    j = bisect_left(pool, size << _SIZE)
+    limit = alloc._limit
+    if j < len(pool):
+        block, seg = alloc._at[pool[j]]
+        found, offset = block.size, block.offset
+        if (size < limit <= found
+                or (size >= limit and found >= size + alloc._non_split)):
+            # get_free_block's oversize rules: none found
+            return _segment_inline(alloc, key, size, stream, small, pool)
+        del pool[j]
+        remaining = found - size
+        if (remaining >= K_MIN_BLOCK_SIZE if small
+                else size < limit and remaining > K_SMALL_SIZE):
+            nxt = block.next
+            rest = Block(offset + size, remaining, "free", None, block, nxt)
+            if nxt is not None:
+                nxt.prev = rest
+            block.next = rest
+            block.size = size
+            rest.entry = entry = ((remaining << _SIZE) | (seg.order << _ORDER)
+                                  | (offset + size))
+            alloc._at[entry] = (rest, seg)
+            insort(pool, entry)
+        block.state = "alloc"
+        alloc.live[key] = (seg, block)
+        return True
+    return _segment_inline(alloc, key, size, stream, small, pool)
+
+
+def _segment_inline(alloc: CachingAllocator, key: int, size: int, stream: int, small: bool,
+                    pool: list[int]) -> bool:
+    """alloc_block's new segment (get_allocation_size) for ``size``, split at once
+    (alloc_found_block, should_split); False, nothing changed, past the capacity."""
+    cfg = alloc.cfg
+    seg_bytes = (K_SMALL_BUFFER if small else cfg.large_segment_bytes
+                 if size < K_MIN_LARGE_ALLOC
+                 else (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE)
+    if cfg.capacity_bytes is not None and alloc.reserved + seg_bytes > cfg.capacity_bytes:
+        return False
+    order = alloc._order
+    alloc._order = order + 1
+    seg = Segment(order, stream, small, False, None, pool)
+    alloc.segments.append(seg)
+    seg.head = block = Block(0, size, "alloc")
+    remaining = seg_bytes - size
+    if (remaining >= K_MIN_BLOCK_SIZE if small
+            else size < alloc._limit and remaining > K_SMALL_SIZE):
+        block.next = rest = Block(size, remaining, "free", None, block, None)
+        rest.entry = entry = (remaining << _SIZE) | (order << _ORDER) | size
+        alloc._at[entry] = (rest, seg)
+        insort(pool, entry)
+    else:
+        block.size = seg_bytes
+    alloc.reserved += seg_bytes
+    alloc.live[key] = (seg, block)
+    return True
+
+
+def _quiet_inline(alloc: CachingAllocator, ev: Blip) -> bool:
+    """``blip_leaves_nothing`` for a blip of one tensor, or of a run and one more
+    (``Builder.blip``'s), in one pool or a run in each, read off the event; others
+    through the method."""
+    sizes, stream, counts = ev
+    if alloc._limit != NO_LIMIT or len(sizes) > 2 or (len(sizes) == 2 and not counts):
+        return alloc.blip_leaves_nothing(ev.runs(), stream)
+    size = (sizes[0] + 511) // 512 * 512
+    small = size <= K_SMALL_SIZE
+    least = K_MIN_BLOCK_SIZE if small else K_SMALL_SIZE + 1
+    pools = alloc._free
+    if len(sizes) == 1:
+        return _holds(pools.get((stream, small)), size + least, size + least, 1)
+    other = (sizes[1] + 511) // 512 * 512
+    many, more = counts
+    if small != (other <= K_SMALL_SIZE):  # a run in each pool
+        also = K_SMALL_SIZE + 1 if small else K_MIN_BLOCK_SIZE
+        return (_holds(pools.get((stream, small)), many * (size + least), size + least, many)
+                and _holds(pools.get((stream, not small)), more * (other + also),
+                           other + also, more))
+    return _holds(pools.get((stream, small)), many * (size + least) + more * (other + least),
+                  (size if size > other else other) + least, many + more)
+
+
+def _holds(pool: list[int] | None, total: int, unit: int, want: int) -> bool:
+    """``blip_leaves_nothing``'s rules for one pool: its largest free block holds ``total``
+    (the tensors' sizes plus the least remainder each), or its blocks' whole multiples of
+    ``unit`` (the largest tensor plus that remainder) number at least ``want``."""
+    if not pool:
+        return False
+    if pool[-1] >> _SIZE >= total:
+        return True
+    held, k = 0, len(pool) - 1
+    while held < want and k >= 0 and pool[k] >> _SIZE >= unit:
+        held += (pool[k] >> _SIZE) // unit
+        k -= 1
+    return held >= want
 
 
 def _replay_events(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r: int
