@@ -954,83 +954,80 @@ def replay_reserved(events: list[Alloc | Free | Blip], cfg: AllocatorConfig | No
 def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r: int
                  ) -> tuple[int, int | None, int]:
     """``_replay_events`` without expandable segments or power-of-two rounding, its common
-    steps inline: a free (``_free_inline``), an allocation from the cache or a new segment
-    (``_take_inline``), a blip that surely makes no segment (``_quiet_inline``); the rest
-    through the allocator's methods. The allocated bytes are not followed
-    (``replay_reserved`` does not read them)."""
-    live = alloc.live
-    release, take, quiet, blip = _free_inline, _take_inline, _quiet_inline, alloc.blip
+    steps inline: a free (``free`` and ``_merge_free`` in place), an allocation from the
+    cache or a new segment (``_take_inline``), a blip that surely makes no segment
+    (``_quiet_inline``); the rest through the allocator's methods. The allocated bytes are
+    not followed (``replay_reserved`` does not read them)."""
+    live_pop, at = alloc.live.pop, alloc._at
+    take, quiet = _take_inline, _quiet_inline
     for i, ev in enumerate(events[lo:hi], lo):
         kind = type(ev)
         if kind is Free:
-            release(alloc, ev[0])
+            got = live_pop(ev[0], None)
+            if got is None:
+                alloc.free(ev[0])  # raises
+            seg, block = got
+            pool = seg.pool
+            prev, nxt = block.prev, block.next
+            size = block.size
+            if prev is not None and prev.state == "free":
+                del pool[bisect_left(pool, prev.entry)]
+                block.offset = prev.offset
+                size += prev.size
+                block.prev = before = prev.prev
+                if before is None:
+                    seg.head = block
+                else:
+                    before.next = block
+            if nxt is not None and nxt.state == "free":
+                del pool[bisect_left(pool, nxt.entry)]
+                size += nxt.size
+                block.next = after = nxt.next
+                if after is not None:
+                    after.prev = block
+            block.size = size
+            block.state = "free"
+            block.entry = entry = (size << _SIZE) | (seg.order << _ORDER) | block.offset
+            at[entry] = (block, seg)
+            insort(pool, entry)
             continue
         before = alloc.reserved
         if kind is Alloc:
-            key, orig, stream = ev
-            if orig <= 0 or key in live:
-                alloc.malloc(key, orig, stream)  # raises
-            size = (orig + 511) // 512 * 512  # round_size (kMinBlockSize)
-            small = size <= K_SMALL_SIZE
-            if take(alloc, key, size, stream, small):
-                if alloc.reserved > peak_r:
-                    peak_r = alloc.reserved
-                continue
-            if not alloc._malloc_uncached(key, size, stream, small):
+            if not take(alloc, ev):
                 return peak_r, i, before
-        else:
-            if quiet(alloc, ev):
-                continue
-            got = blip(ev.runs(), ev.stream)
-            ok = True
-            if got is None:  # near the capacity: tensor by tensor, as malloc would
-                got, ok = _blip_one_by_one(alloc, ev)
-            for r, _ in got[0]:
+        elif not quiet(alloc, ev):
+            got, ok = _blip_reserved(alloc, ev)
+            for r, _ in got:
                 if r > peak_r:
                     peak_r = r
             if not ok:  # reserved as the last allocation before the one that failed left it
-                return peak_r, i, got[0][-1][0] if got[0] else before
+                return peak_r, i, got[-1][0] if got else before
         if alloc.reserved > peak_r:
             peak_r = alloc.reserved
     return peak_r, None, 0
 
 
-def _free_inline(alloc: CachingAllocator, key: int) -> None:
-    """``free`` (``_merge_free``: the block absorbs its free neighbours) in one function."""
-    got = alloc.live.pop(key, None)
-    if got is None:
-        alloc.free(key)  # raises
-    seg, block = got
-    pool = seg.pool
-    prev, nxt = block.prev, block.next
-    size = block.size
-    if prev is not None and prev.state == "free":
-        del pool[bisect_left(pool, prev.entry)]
-        block.offset = prev.offset
-        size += prev.size
-        block.prev = before = prev.prev
-        if before is None:
-            seg.head = block
-        else:
-            before.next = block
-    if nxt is not None and nxt.state == "free":
-        del pool[bisect_left(pool, nxt.entry)]
-        size += nxt.size
-        block.next = after = nxt.next
-        if after is not None:
-            after.prev = block
-    block.size = size
-    block.state = "free"
-    block.entry = entry = (size << _SIZE) | (seg.order << _ORDER) | block.offset
-    alloc._at[entry] = (block, seg)
-    insort(pool, entry)
+def _blip_reserved(alloc: CachingAllocator, ev: Blip) -> tuple[list[tuple[int, int]], bool]:
+    """``blip``, near the capacity tensor by tensor (``_blip_one_by_one``): the (reserved,
+    allocated) after each allocation that grew the reserved bytes, and False where one ran
+    out of memory."""
+    got = alloc.blip(ev.runs(), ev.stream)
+    if got is None:  # near the capacity: tensor by tensor, as malloc would
+        (grew, _), ok = _blip_one_by_one(alloc, ev)
+        return grew, ok
+    return got[0], True
 
 
-def _take_inline(alloc: CachingAllocator, key: int, size: int, stream: int, small: bool
-                 ) -> bool:
-    """``_fit`` (best fit from the cache, split if should_split), else where get_free_block
-    finds none and the capacity allows, alloc_block's new segment split at once
-    (``_segment_inline``); False, nothing changed, where neither applies."""
+def _take_inline(alloc: CachingAllocator, ev: Alloc) -> bool:
+    """``malloc`` of ``ev``: ``_fit`` (best fit from the cache, split if should_split), else
+    where get_free_block finds none and the capacity allows, alloc_block's new segment
+    split at once (``_segment_inline``), else ``_malloc_uncached``; False where that runs
+    out of memory."""
+    key, orig, stream = ev
+    if orig <= 0 or key in alloc.live:
+        alloc.malloc(key, orig, stream)  # raises
+    size = (orig + 511) // 512 * 512  # round_size (kMinBlockSize)
+    small = size <= K_SMALL_SIZE
     pool = alloc._free.get((stream, small))
     if pool is None:
         pool = alloc._free.setdefault((stream, small), [])
@@ -1042,7 +1039,8 @@ def _take_inline(alloc: CachingAllocator, key: int, size: int, stream: int, smal
         if (size < limit <= found
                 or (size >= limit and found >= size + alloc._non_split)):
             # get_free_block's oversize rules: none found
-            return _segment_inline(alloc, key, size, stream, small, pool)
+            return (_segment_inline(alloc, key, size, stream, small, pool)
+                    or alloc._malloc_uncached(key, size, stream, small))
         del pool[j]
         remaining = found - size
         if (remaining >= K_MIN_BLOCK_SIZE if small
@@ -1060,7 +1058,8 @@ def _take_inline(alloc: CachingAllocator, key: int, size: int, stream: int, smal
         block.state = "alloc"
         alloc.live[key] = (seg, block)
         return True
-    return _segment_inline(alloc, key, size, stream, small, pool)
+    return (_segment_inline(alloc, key, size, stream, small, pool)
+            or alloc._malloc_uncached(key, size, stream, small))
 
 
 def _segment_inline(alloc: CachingAllocator, key: int, size: int, stream: int, small: bool,
