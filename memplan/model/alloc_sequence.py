@@ -87,9 +87,10 @@ class Builder:
             return
         whole = (size - 1) // piece if piece > 0 else 0  # pieces before the last, smaller one
         last = size - whole * piece
-        self.events.append(Blip((last,), stream) if not whole else
-                           Blip((piece, last), stream, (whole, 1)))
-        self.peak = max(self.peak, self.alive + size)
+        self.events.append(_new(Blip, ((last,), stream, ())) if not whole else
+                           _new(Blip, ((piece, last), stream, (whole, 1))))
+        if self.alive + size > self.peak:
+            self.peak = self.alive + size
 
     def made_and_freed(self, sizes: list[int], stream: int = 0) -> None:
         """Tensors of ``sizes`` made in order, then all freed in the same order (none made
@@ -111,17 +112,45 @@ class Stack:
         self.b, self.items, self.debt = b, [], 0
 
     def push(self, size: int) -> None:
-        key = self.b.alloc(size)
-        if key is not None:
+        if size > 0:  # Builder.alloc
+            b = self.b
+            key = b._next
+            b._next = key + 1
+            b.events.append(_new(Alloc, (key, size, 0)))
+            b.sizes[key] = size
+            alive = b.alive = b.alive + size
+            if alive > b.peak:
+                b.peak = alive
             self.items.append((key, size))
+
+    def push_all(self, sizes) -> None:
+        """``push`` each of ``sizes`` in turn."""
+        b = self.b
+        events, made, items = b.events, b.sizes, self.items
+        key, alive, peak = b._next, b.alive, b.peak
+        for size in sizes:
+            if size > 0:
+                events.append(_new(Alloc, (key, size, 0)))
+                made[key] = size
+                items.append((key, size))
+                key += 1
+                alive += size
+                if alive > peak:
+                    peak = alive
+        b._next, b.alive, b.peak = key, alive, peak
 
     def release(self, nbytes: int) -> None:
         debt = self.debt + nbytes if nbytes > 0 else self.debt
-        items, free = self.items, self.b.free
-        while items and items[-1][1] <= debt:
-            key, size = items.pop()
-            debt -= size
-            free(key)
+        items = self.items
+        if items and items[-1][1] <= debt:
+            b = self.b
+            events, sizes = b.events, b.sizes
+            while items and items[-1][1] <= debt:
+                key, size = items.pop()
+                debt -= size
+                if sizes.pop(key, None) is not None:  # Builder.free
+                    events.append(_new(Free, (key,)))
+                    b.alive -= size
         self.debt = debt
 
     def clear(self) -> None:
@@ -271,8 +300,7 @@ def _forward(r: _Run, steady: bool, acts: Stack, cached: list[int | None]) -> No
                     b.blip(p.before.transient, stream=r.s.gather_stream)
                 # one gathered buffer beside the layer
                 gathered = b.alloc(p.beside, r.s.gather_stream)
-                for term in kind.terms:
-                    acts.push(term.size_bytes)
+                acts.push_all([term.size_bytes for term in kind.terms])
                 cached.append(b.alloc(kind.cached_bytes))
                 b.blip(kind.forward_peak_bytes - kind.saved_bytes - kind.cached_bytes,
                        r.s.piece)
@@ -403,9 +431,9 @@ def _layer_backward(r: _Run, acts: Stack, kind, layer: LayerTensors,
     gathered = b.alloc(p.beside, r.s.gather_stream)
     made = 0
     alive = kind.saved_bytes
-    for size in rebuild:
-        acts.push(size)
-        alive += size
+    if rebuild:
+        acts.push_all(rebuild)
+        alive += sum(rebuild)
     for j, moment in enumerate(kind.moments):
         while growing and grads and made < moment_grads[j]:
             size = grads.pop()

@@ -35,6 +35,17 @@ K_ROUND_LARGE = 2097152  # kRoundLarge: round up large allocations to 2 MiB
 # The address space reserved per expandable segment: `prop.totalGlobalMem + totalGlobalMem / 8`.
 NO_LIMIT = 1 << 62  # max_split_size's default, std::numeric_limits<size_t>::max() (CUDAAllocatorConfig)
 
+# A free block's key in its pool's free set: its size, then its segment's creation order, then
+# its offset (BlockComparatorSize's order, the order standing for the address), as one int
+# whose bits hold each (an offset below 2**64, an order below 2**32), so that keys compare as
+# the triples do and ``size << _SIZE`` is the least key of a block of ``size`` bytes.
+_ORDER = 64
+_SIZE = 96
+
+
+def _key(size: int, order: int, offset: int) -> int:
+    return (size << _SIZE) | (order << _ORDER) | offset
+
 
 class AllocatorConfig(Record):
     """The PYTORCH_CUDA_ALLOC_CONF options the model follows, and the device's capacity."""
@@ -152,7 +163,7 @@ class Block:
     size: int
     state: str  # "alloc", "free" or "unmapped" (an expandable segment's unbacked address space)
     # its key in its pool's free set while it is free (``CachingAllocator._add_free``)
-    entry: tuple | None = field(default=None, repr=False)
+    entry: int | None = field(default=None, repr=False)
     # the segment's blocks in address order, linked as Block's prev and next in the source
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
@@ -165,6 +176,8 @@ class Segment:
     small: bool
     expandable: bool
     head: Block | None = None
+    # its pool's free set (``CachingAllocator._free``), shared by the pool's segments
+    pool: list | None = field(default=None, repr=False)
 
     @property
     def blocks(self) -> list[Block]:
@@ -252,23 +265,22 @@ class CachingAllocator:
         self.retries = 0
         self._order = 0
         # each pool's free blocks in BlockComparatorSize's order (size, then address), kept
-        # as blocks change, so best fit is a binary search
-        self._free: dict[tuple[int, bool], list[tuple[int, int, int, Block, Segment]]] = {}
+        # as blocks change, so best fit is a binary search: each block's key (``_key``: its
+        # size, its segment's order, its offset, as one int), and the key's (block, segment)
+        self._free: dict[tuple[int, bool], list[int]] = {}
+        self._at: dict[int, tuple[Block, Segment]] = {}
 
     def _add_free(self, seg: Segment, block: Block) -> None:
-        block.entry = entry = (block.size, seg.order, block.offset, block, seg)
-        pool = self._free.get((seg.stream, seg.small))
-        if pool is None:
-            self._free[(seg.stream, seg.small)] = [entry]
-        else:
-            insort(pool, entry)
+        block.entry = key = _key(block.size, seg.order, block.offset)
+        self._at[key] = (block, seg)
+        insort(self._free.setdefault((seg.stream, seg.small), []), key)
 
     def _drop_free(self, seg: Segment, block: Block) -> None:
         """Take ``block`` out of its pool's free set (by the key it went in with: a block's
         size and offset change only once it is out)."""
         pool = self._free[(seg.stream, seg.small)]
         i = bisect_left(pool, block.entry)
-        assert pool[i][3] is block
+        assert self._at[pool[i]][0] is block
         del pool[i]
 
     def _merge_free(self, seg: Segment, block: Block) -> None:
@@ -278,7 +290,7 @@ class CachingAllocator:
         prev, nxt = block.prev, block.next
         if prev is not None and prev.state == "free":
             i = bisect_left(pool, prev.entry)
-            assert pool[i][3] is prev
+            assert self._at[pool[i]][0] is prev
             del pool[i]
             block.offset = prev.offset
             block.size += prev.size
@@ -289,15 +301,16 @@ class CachingAllocator:
                 before.next = block
         if nxt is not None and nxt.state == "free":
             i = bisect_left(pool, nxt.entry)
-            assert pool[i][3] is nxt
+            assert self._at[pool[i]][0] is nxt
             del pool[i]
             block.size += nxt.size
             block.next = after = nxt.next
             if after is not None:
                 after.prev = block
         block.state = "free"
-        block.entry = entry = (block.size, seg.order, block.offset, block, seg)
-        insort(pool, entry)
+        block.entry = key = _key(block.size, seg.order, block.offset)
+        self._at[key] = (block, seg)
+        insort(pool, key)
 
     # --- malloc -------------------------------------------------------------------------------
     def malloc(self, key: int, orig_size: int, stream: int = 0) -> bool:
@@ -309,6 +322,11 @@ class CachingAllocator:
         small = size <= K_SMALL_SIZE  # get_pool
         if not self._expandable and self._fit(key, size, stream, small):
             return True
+        return self._malloc_uncached(key, size, stream, small)
+
+    def _malloc_uncached(self, key: int, size: int, stream: int, small: bool) -> bool:
+        """``malloc`` of a rounded ``size`` past ``_fit`` (without expandable segments: no
+        cached block serves it)."""
         found = self.get_free_block(size, stream, small)
         if found is None:
             found = self.alloc_block(size, stream, small)
@@ -338,10 +356,11 @@ class CachingAllocator:
         pool = self._free.get((stream, small))
         if not pool:
             return False
-        i = bisect_left(pool, (size,))
+        i = bisect_left(pool, size << _SIZE)
         if i == len(pool):
             return False
-        found, _, offset, block, seg = pool[i]
+        block, seg = self._at[pool[i]]
+        found, offset = block.size, block.offset
         limit = self._limit
         if (size < limit <= found
                 or (size >= limit and found >= size + self._non_split)):
@@ -354,7 +373,8 @@ class CachingAllocator:
                 block.next.prev = rest
             block.next = rest
             block.size = size
-            rest.entry = entry = (remaining, seg.order, offset + size, rest, seg)
+            rest.entry = entry = _key(remaining, seg.order, offset + size)
+            self._at[entry] = (rest, seg)
             insort(pool, entry)
         block.state = "alloc"
         self.allocated += block.size
@@ -363,7 +383,7 @@ class CachingAllocator:
 
     def _free_blocks(self, stream: int, small: bool) -> list[tuple[Segment, Block]]:
         """The pool's free set, ordered as BlockComparatorSize orders it (size, then address)."""
-        return [(k[4], k[3]) for k in self._free.get((stream, small), [])]
+        return [self._at[k][::-1] for k in self._free.get((stream, small), [])]
 
     @staticmethod
     def _expandable_size(seg: Segment, block: Block) -> int:
@@ -374,18 +394,19 @@ class CachingAllocator:
         """DeviceCachingAllocator::get_free_block: the smallest free block of the pool and stream
         that fits (lower_bound on size); the max_split_size rules for oversize blocks."""
         pool = self._free.get((stream, small), [])
-        i = bisect_left(pool, (size,))
+        i = bisect_left(pool, size << _SIZE)
         if i == len(pool):
             return None
-        if pool[i][4].expandable:  # best fit by the size the block can grow to
+        at = self._at
+        if at[pool[i]][1].expandable:  # best fit by the size the block can grow to
             while (
                 i + 1 < len(pool)
-                and pool[i][4].expandable
-                and self._expandable_size(pool[i + 1][4], pool[i + 1][3])
-                < self._expandable_size(pool[i][4], pool[i][3])
+                and at[pool[i]][1].expandable
+                and self._expandable_size(at[pool[i + 1]][1], at[pool[i + 1]][0])
+                < self._expandable_size(at[pool[i]][1], at[pool[i]][0])
             ):
                 i += 1
-        seg, block = pool[i][4], pool[i][3]
+        block, seg = at[pool[i]]
         limit = self.cfg.max_split_size_bytes
         if size < limit and block.size >= limit:
             return None  # do not return an oversized block for a smaller request
@@ -413,7 +434,8 @@ class CachingAllocator:
         return cap is None or self.reserved + nbytes <= cap
 
     def _new_segment(self, stream: int, small: bool, expandable: bool) -> Segment:
-        seg = Segment(self._order, stream, small, expandable)
+        seg = Segment(self._order, stream, small, expandable, None,
+                      self._free.setdefault((stream, small), []))
         self._order += 1
         self.segments.append(seg)
         return seg
@@ -508,13 +530,16 @@ class CachingAllocator:
             return None
         # by pool: the free set's indices taken, the blip's own remainders (sorted)
         taken, extra = {False: set(), True: set()}, {False: [], True: []}
+        # by pool: from an index taken, the next one that may not be (all between are taken)
+        jumps: dict[bool, dict[int, int]] = {False: {}, True: {}}
         made: list[tuple[bool, int]] = []  # (small pool, bytes) of each segment made
         acc = [self.reserved, self.allocated, None, False]  # (``_blip_run``)
         divisions = self.cfg.roundup_power2_divisions
         for orig, count in runs:  # a blip's tensors are mostly of one size
             size = round_size(orig, divisions)
             small = size <= K_SMALL_SIZE
-            if not self._blip_run(size, count, small, stream, taken[small], extra[small],
+            if not self._blip_run(size, count, small, stream, taken[small], jumps[small],
+                                  extra[small],
                                   made, acc):
                 return None
         self._free_segments(stream, made)
@@ -560,18 +585,19 @@ class CachingAllocator:
             pool = self._free.get((stream, small))
             if not pool:
                 return False
-            if pool[-1][0] >= total:
+            if pool[-1] >> _SIZE >= total:
                 continue
             unit = largest + (K_MIN_BLOCK_SIZE if small else K_SMALL_SIZE + 1)
             held, i = 0, len(pool) - 1
-            while held < count and i >= 0 and pool[i][0] >= unit:
-                held += pool[i][0] // unit
+            while held < count and i >= 0 and pool[i] >> _SIZE >= unit:
+                held += (pool[i] >> _SIZE) // unit
                 i -= 1
             if held < count:
                 return False
         return True
 
     def _blip_run(self, size: int, count: int, small: bool, stream: int, skip: set[int],
+                  jump: dict[int, int],
                   mine: list[int], made: list[tuple[bool, int]], acc: list) -> bool:
         """``count`` tensors of rounded ``size`` of a blip, each by best fit over the pool's
         free blocks less those ``skip`` names and the blip's own remainders ``mine``, or a
@@ -583,7 +609,7 @@ class CachingAllocator:
         fits (``_blip_row``), or a new segment each (``_blip_segments``)."""
         cfg = self.cfg
         pool = self._free.get((stream, small), ())
-        n, first = len(pool), bisect_left(pool, (size,))
+        n, first = len(pool), bisect_left(pool, size << _SIZE)
         limit = cfg.max_split_size_bytes
         least = K_MIN_BLOCK_SIZE if small else (K_SMALL_SIZE + 1 if size < limit else NO_LIMIT)
         segment = get_allocation_size(size, cfg.large_segment_bytes)
@@ -591,9 +617,15 @@ class CachingAllocator:
         fast = limit == NO_LIMIT
         while count:
             i = first
-            while i in skip:
-                i += 1
-            a = pool[i][0] if i < n else None
+            if i in skip:  # past the blocks taken (``jump``: where a scan went on)
+                passed = []
+                while i in skip:
+                    passed.append(i)
+                    i = jump.get(i, i + 1)
+                for k in passed:
+                    jump[k] = i
+            first = i  # (those before are taken, and stay so)
+            a = pool[i] >> _SIZE if i < n else None
             j = bisect_left(mine, size) if mine else 0
             b = mine[j] if j < len(mine) else None
             from_pool = a is not None and (b is None or a <= b)
@@ -668,8 +700,8 @@ class CachingAllocator:
                    else min((k for k in skip if i <= k < end), default=end))
         made, k = 0, i
         while k < end and made < count:
-            c = pool[k][0]
-            group = bisect_left(pool, (c + 1,), k, end) - k  # blocks of c bytes
+            c = pool[k] >> _SIZE
+            group = bisect_left(pool, (c + 1) << _SIZE, k, end) - k  # blocks of c bytes
             each, rest = divmod(c, size)
             full = (count - made) // each
             if group < full:
@@ -896,20 +928,215 @@ def replay_reserved(events: list[Alloc | Free | Blip], cfg: AllocatorConfig | No
     the allocated bytes are not followed, so a blip that surely makes no segment
     (``CachingAllocator.blip_leaves_nothing``) is passed over (it leaves the allocator as it
     found it); the reserved bytes are kept at ``marks`` (event counts) only. Its reserved
-    peak, the reserved bytes at each mark and the out-of-memory event are ``replay``'s."""
+    peak, the reserved bytes at each mark and the out-of-memory event are ``replay``'s.
+
+    Without expandable segments and power-of-two rounding the common cases run inline
+    (``_replay_fast``: best fit from the cache, a free, a blip that surely makes no
+    segment), the same steps as ``malloc``, ``free`` and ``blip`` take."""
     alloc = CachingAllocator(cfg)
+    run = _replay_fast if not alloc._expandable and alloc._plain_round else _replay_events
     peak_r = 0
     oom: int | None = None
     at: list[int] = []
-    ends = iter(marks)
-    mark = next(ends, None)
     last = 0  # after an allocation that failed: the reserved bytes as ``replay`` last noted
+    pos, n = 0, len(events)
+    for mark in marks:  # the events before each mark in turn
+        hi = min(max(mark, pos), n)
+        if oom is None and hi > pos:
+            peak_r, oom, last = run(alloc, events, pos, hi, peak_r)
+            pos = hi
+        at.append(last if oom is not None else alloc.reserved if mark else 0)
+    if oom is None and pos < n:
+        peak_r, oom, last = run(alloc, events, pos, n, peak_r)
+    return ReservedReplay(tuple(at), peak_r, oom)
+
+
+def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r: int
+                 ) -> tuple[int, int | None, int]:
+    """``_replay_events`` without expandable segments or power-of-two rounding, its common
+    steps inline: a free (``free`` and ``_merge_free`` in place), an allocation from the
+    cache or a new segment (``_take_inline``), a blip that surely makes no segment
+    (``_quiet_inline``); the rest through the allocator's methods. The allocated bytes are
+    not followed (``replay_reserved`` does not read them)."""
+    live_pop, at = alloc.live.pop, alloc._at
+    take, quiet = _take_inline, _quiet_inline
+    for i, ev in enumerate(events[lo:hi], lo):
+        kind = type(ev)
+        if kind is Free:
+            got = live_pop(ev[0], None)
+            if got is None:
+                alloc.free(ev[0])  # raises
+            seg, block = got
+            pool = seg.pool
+            prev, nxt = block.prev, block.next
+            size = block.size
+            if prev is not None and prev.state == "free":
+                del pool[bisect_left(pool, prev.entry)]
+                block.offset = prev.offset
+                size += prev.size
+                block.prev = before = prev.prev
+                if before is None:
+                    seg.head = block
+                else:
+                    before.next = block
+            if nxt is not None and nxt.state == "free":
+                del pool[bisect_left(pool, nxt.entry)]
+                size += nxt.size
+                block.next = after = nxt.next
+                if after is not None:
+                    after.prev = block
+            block.size = size
+            block.state = "free"
+            block.entry = entry = (size << _SIZE) | (seg.order << _ORDER) | block.offset
+            at[entry] = (block, seg)
+            insort(pool, entry)
+            continue
+        before = alloc.reserved
+        if kind is Alloc:
+            if not take(alloc, ev):
+                return peak_r, i, before
+        elif not quiet(alloc, ev):
+            got, ok = _blip_reserved(alloc, ev)
+            for r, _ in got:
+                if r > peak_r:
+                    peak_r = r
+            if not ok:  # reserved as the last allocation before the one that failed left it
+                return peak_r, i, got[-1][0] if got else before
+        if alloc.reserved > peak_r:
+            peak_r = alloc.reserved
+    return peak_r, None, 0
+
+
+def _blip_reserved(alloc: CachingAllocator, ev: Blip) -> tuple[list[tuple[int, int]], bool]:
+    """``blip``, near the capacity tensor by tensor (``_blip_one_by_one``): the (reserved,
+    allocated) after each allocation that grew the reserved bytes, and False where one ran
+    out of memory."""
+    got = alloc.blip(ev.runs(), ev.stream)
+    if got is None:  # near the capacity: tensor by tensor, as malloc would
+        (grew, _), ok = _blip_one_by_one(alloc, ev)
+        return grew, ok
+    return got[0], True
+
+
+def _take_inline(alloc: CachingAllocator, ev: Alloc) -> bool:
+    """``malloc`` of ``ev``: ``_fit`` (best fit from the cache, split if should_split), else
+    where get_free_block finds none and the capacity allows, alloc_block's new segment
+    split at once (``_segment_inline``), else ``_malloc_uncached``; False where that runs
+    out of memory."""
+    key, orig, stream = ev
+    if orig <= 0 or key in alloc.live:
+        alloc.malloc(key, orig, stream)  # raises
+    size = (orig + 511) // 512 * 512  # round_size (kMinBlockSize)
+    small = size <= K_SMALL_SIZE
+    pool = alloc._free.get((stream, small))
+    if pool is None:
+        pool = alloc._free.setdefault((stream, small), [])
+    j = bisect_left(pool, size << _SIZE)
+    limit = alloc._limit
+    if j < len(pool):
+        block, seg = alloc._at[pool[j]]
+        found, offset = block.size, block.offset
+        if (size < limit <= found
+                or (size >= limit and found >= size + alloc._non_split)):
+            # get_free_block's oversize rules: none found
+            return (_segment_inline(alloc, key, size, stream, small, pool)
+                    or alloc._malloc_uncached(key, size, stream, small))
+        del pool[j]
+        remaining = found - size
+        if (remaining >= K_MIN_BLOCK_SIZE if small
+                else size < limit and remaining > K_SMALL_SIZE):
+            nxt = block.next
+            rest = Block(offset + size, remaining, "free", None, block, nxt)
+            if nxt is not None:
+                nxt.prev = rest
+            block.next = rest
+            block.size = size
+            rest.entry = entry = ((remaining << _SIZE) | (seg.order << _ORDER)
+                                  | (offset + size))
+            alloc._at[entry] = (rest, seg)
+            insort(pool, entry)
+        block.state = "alloc"
+        alloc.live[key] = (seg, block)
+        return True
+    return (_segment_inline(alloc, key, size, stream, small, pool)
+            or alloc._malloc_uncached(key, size, stream, small))
+
+
+def _segment_inline(alloc: CachingAllocator, key: int, size: int, stream: int, small: bool,
+                    pool: list[int]) -> bool:
+    """alloc_block's new segment (get_allocation_size) for ``size``, split at once
+    (alloc_found_block, should_split); False, nothing changed, past the capacity."""
+    cfg = alloc.cfg
+    seg_bytes = (K_SMALL_BUFFER if small else cfg.large_segment_bytes
+                 if size < K_MIN_LARGE_ALLOC
+                 else (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE)
+    if cfg.capacity_bytes is not None and alloc.reserved + seg_bytes > cfg.capacity_bytes:
+        return False
+    order = alloc._order
+    alloc._order = order + 1
+    seg = Segment(order, stream, small, False, None, pool)
+    alloc.segments.append(seg)
+    seg.head = block = Block(0, size, "alloc")
+    remaining = seg_bytes - size
+    if (remaining >= K_MIN_BLOCK_SIZE if small
+            else size < alloc._limit and remaining > K_SMALL_SIZE):
+        block.next = rest = Block(size, remaining, "free", None, block, None)
+        rest.entry = entry = (remaining << _SIZE) | (order << _ORDER) | size
+        alloc._at[entry] = (rest, seg)
+        insort(pool, entry)
+    else:
+        block.size = seg_bytes
+    alloc.reserved += seg_bytes
+    alloc.live[key] = (seg, block)
+    return True
+
+
+def _quiet_inline(alloc: CachingAllocator, ev: Blip) -> bool:
+    """``blip_leaves_nothing`` for a blip of one tensor, or of a run and one more
+    (``Builder.blip``'s), in one pool or a run in each, read off the event; others
+    through the method."""
+    sizes, stream, counts = ev
+    if alloc._limit != NO_LIMIT or len(sizes) > 2 or (len(sizes) == 2 and not counts):
+        return alloc.blip_leaves_nothing(ev.runs(), stream)
+    size = (sizes[0] + 511) // 512 * 512
+    small = size <= K_SMALL_SIZE
+    least = K_MIN_BLOCK_SIZE if small else K_SMALL_SIZE + 1
+    pools = alloc._free
+    if len(sizes) == 1:
+        return _holds(pools.get((stream, small)), size + least, size + least, 1)
+    other = (sizes[1] + 511) // 512 * 512
+    many, more = counts
+    if small != (other <= K_SMALL_SIZE):  # a run in each pool
+        also = K_SMALL_SIZE + 1 if small else K_MIN_BLOCK_SIZE
+        return (_holds(pools.get((stream, small)), many * (size + least), size + least, many)
+                and _holds(pools.get((stream, not small)), more * (other + also),
+                           other + also, more))
+    return _holds(pools.get((stream, small)), many * (size + least) + more * (other + least),
+                  (size if size > other else other) + least, many + more)
+
+
+def _holds(pool: list[int] | None, total: int, unit: int, want: int) -> bool:
+    """``blip_leaves_nothing``'s rules for one pool: its largest free block holds ``total``
+    (the tensors' sizes plus the least remainder each), or its blocks' whole multiples of
+    ``unit`` (the largest tensor plus that remainder) number at least ``want``."""
+    if not pool:
+        return False
+    if pool[-1] >> _SIZE >= total:
+        return True
+    held, k = 0, len(pool) - 1
+    while held < want and k >= 0 and pool[k] >> _SIZE >= unit:
+        held += (pool[k] >> _SIZE) // unit
+        k -= 1
+    return held >= want
+
+
+def _replay_events(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r: int
+                   ) -> tuple[int, int | None, int]:
+    """Events ``lo`` to ``hi`` through ``alloc`` (``replay_reserved``): the reserved peak
+    so far, the event that ran out of memory (None: none) and the reserved bytes then."""
     malloc, free, blip, quiet = (alloc.malloc, alloc.free, alloc.blip,
                                  alloc.blip_leaves_nothing)
-    for i, ev in enumerate(events):
-        while mark is not None and mark <= i:
-            at.append(alloc.reserved if mark else 0)
-            mark = next(ends, None)
+    for i, ev in enumerate(events[lo:hi], lo):
         kind = type(ev)
         if kind is Free:
             free(ev.id)
@@ -927,17 +1154,12 @@ def replay_reserved(events: list[Alloc | Free | Blip], cfg: AllocatorConfig | No
                 if r > peak_r:
                     peak_r = r
             if not ok:  # reserved as the last allocation before the one that failed left it
-                oom, last = i, got[0][-1][0] if got[0] else before
-                break
+                return peak_r, i, got[0][-1][0] if got[0] else before
         elif not malloc(ev.id, ev.size_bytes, ev.stream):
-            oom, last = i, before
-            break
+            return peak_r, i, before
         if alloc.reserved > peak_r:
             peak_r = alloc.reserved
-    while mark is not None:
-        at.append(last if oom is not None else alloc.reserved if mark else 0)
-        mark = next(ends, None)
-    return ReservedReplay(tuple(at), peak_r, oom)
+    return peak_r, None, 0
 
 
 def _blip_one_by_one(alloc: CachingAllocator, ev: Blip

@@ -464,8 +464,8 @@ def test_the_reserved_replay_is_the_replay_read_at_marks(conf: str,
     """A property over seeded random sequences (blips repeated beside tensors kept and freed,
     as a stage's sequence has them): ``replay_reserved`` gives ``replay``'s reserved bytes at
     every mark, its reserved peak and the same out-of-memory event, though it passes over
-    the blips ``blip_leaves_nothing`` is sure of (it does: the count is checked), under each
-    configuration and a capacity that runs out."""
+    the blips ``blip_leaves_nothing`` is sure of (it does: the count of blips it replayed
+    through ``blip`` is checked), under each configuration and a capacity that runs out."""
     import random
 
     from memplan.model import allocator
@@ -475,16 +475,14 @@ def test_the_reserved_replay_is_the_replay_read_at_marks(conf: str,
     cfg = parse_alloc_conf("" if conf == "capacity" else conf, cap)
     rng = random.Random(20261205)
     sizes = [300, 900 * 1024, 5 * MiB + 7, 12 * MiB + 5 * 1024, 24 * MiB, 64 * MiB]
-    passed_over = ran_out = 0
-    sure = allocator.CachingAllocator.blip_leaves_nothing
+    passed_over = ran_out = replayed = 0
+    whole = allocator.CachingAllocator.blip
 
     def counted(self, runs, stream=0):  # type: ignore[no-untyped-def]
-        nonlocal passed_over
-        got = sure(self, runs, stream)
-        passed_over += got
-        return got
+        nonlocal replayed
+        replayed += 1
+        return whole(self, runs, stream)
 
-    monkeypatch.setattr(allocator.CachingAllocator, "blip_leaves_nothing", counted)
     for _ in range(60):
         events, live, key = [], [], 0
         blip = Blip((rng.choice(sizes),), 0)
@@ -506,9 +504,79 @@ def test_the_reserved_replay_is_the_replay_read_at_marks(conf: str,
         full = replay(events, cfg)
         got = full.reserved_bytes
         want = tuple(got[min(m, len(got)) - 1] if m and got else 0 for m in marks)
-        quick = replay_reserved(events, cfg, marks)
+        replayed = 0
+        with monkeypatch.context() as patch:
+            patch.setattr(allocator.CachingAllocator, "blip", counted)
+            quick = replay_reserved(events, cfg, marks)
         assert quick == (want, full.reserved_peak_bytes, full.oom_event)
+        reached = events if full.oom_event is None else events[:full.oom_event + 1]
+        passed_over += sum(type(e) is Blip for e in reached) - replayed
         ran_out += full.out_of_memory
     assert ran_out > 0 if conf == "capacity" else ran_out == 0
     assert passed_over > 100 if conf in ("", "roundup_power2_divisions:4", "capacity") else (
         passed_over == 0)
+
+
+@pytest.mark.parametrize("conf", ["", "max_split_size_mb:40", "capacity",
+                                  "max_split_size_mb:40,capacity"])
+def test_the_inline_reserved_replay_is_the_replay_event_for_event(
+        conf: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A property over seeded random sequences that reach every step ``replay_reserved``
+    takes inline (``allocator._replay_fast``: best fit from the cache with and without a
+    split, a new segment of each size class, a free merging with either neighbour, a blip
+    of one tensor or a run and one more passed over or replayed, in one pool or across
+    both, on two streams): with marks after every event, its reserved bytes after each
+    event, its reserved peak and its out-of-memory event are ``replay``'s (whose steps are
+    ``malloc``, ``free`` and ``blip``), under each configuration and a capacity that runs
+    out. The inline steps ran: without a capacity, none of ``replay_reserved``'s
+    allocations went to the allocator's own ``_malloc_uncached``."""
+    import random
+
+    from memplan.model import allocator
+    from memplan.model.allocator import Blip, replay_reserved
+
+    cap = 700 * MiB if "capacity" in conf else None
+    cfg = parse_alloc_conf(conf.replace("capacity", "").strip(","), cap)
+    rng = random.Random(20261206)
+    # around each boundary: kMinBlockSize, kSmallSize, kMinLargeAlloc, kLargeBuffer
+    sizes = [1, 511, 512, 513, 4096, MiB - 1, MiB, MiB + 1, 3 * MiB, 10 * MiB - 1, 10 * MiB,
+             10 * MiB + 1, 19 * MiB, 20 * MiB + 3, 33 * MiB, 70 * MiB]
+    calls = ran_out = 0
+    uncached = allocator.CachingAllocator._malloc_uncached
+    quick_run = False
+
+    def counted(self, *args):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += quick_run
+        return uncached(self, *args)
+
+    monkeypatch.setattr(allocator.CachingAllocator, "_malloc_uncached", counted)
+    for _ in range(80):
+        events, live, key = [], [], 0
+        for _ in range(rng.randint(30, 120)):
+            roll, stream = rng.random(), rng.choice([0, 0, 0, 1])
+            if roll < 0.4:
+                events.append(Alloc(key, rng.choice(sizes), stream))
+                live.append(key)
+                key += 1
+            elif roll < 0.7 and live:
+                events.append(Free(live.pop(rng.randrange(len(live)))))
+            elif roll < 0.8:
+                events.append(Blip((rng.choice(sizes),), stream))
+            elif roll < 0.92:
+                events.append(Blip((rng.choice(sizes), rng.choice(sizes)), stream,
+                                   (rng.randint(1, 12), 1)))
+            else:
+                events.append(Blip(tuple(rng.choice(sizes) for _ in range(rng.randint(2, 5))),
+                                   stream))
+        full = replay(events, cfg)
+        got = full.reserved_bytes
+        marks = list(range(len(events) + 2))
+        want = tuple(got[min(m, len(got)) - 1] if m and got else 0 for m in marks)
+        quick_run = True
+        quick = replay_reserved(events, cfg, marks)
+        quick_run = False
+        assert quick == (want, full.reserved_peak_bytes, full.oom_event)
+        ran_out += full.out_of_memory
+    assert ran_out > 0 if "capacity" in conf else ran_out == 0
+    assert calls > 0 if "capacity" in conf else calls == 0
