@@ -567,7 +567,7 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         late = sum(t.size_bytes for t in kept
                    if t.name == "sac.mlp.w2" or (t.name == "sac.mlp.w1" and gate_held))
         moments = full.moments
-        if in_graph and compiled.swiglu_backward(spec, dm, Recompute.NONE):  # traced kernel
+        if in_graph and compiled.sac_schedule(spec, dm):  # traced kernel
             moments = compiled.sac_deferred(moments, _attention_rebuilt(spec, wl, dm, variant),
                                             kept)
             moments = compiled.with_attention_backward(moments, spec, wl, dm, kept)
