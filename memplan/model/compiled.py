@@ -253,6 +253,51 @@ def autocast_grads(dm: Dims, stream: int, out_cast: int) -> tuple[int, int]:
     return (out_cast, stream) if dm.compiled and dm.autocast else (0, 0)
 
 
+def down_grad_deferred(dm: Dims, inner: int, cast: int, fresh: int) -> bool:
+    """Compiled under autocast, the layer not rebuilt: whether Inductor runs the MLP's weight
+    gradients after the attention's backward (``autocast_end_bytes``), the down projection's
+    among them, rather than first. ``reorder_for_peak_memory`` (torch/_inductor/memory.py)
+    keeps the order of the lowest estimated peak among the scheduler's own (``baseline``:
+    the down weight's gradient first) and three topological sorts, of which
+    ``topological_sort_dfs`` defers it (traced: benchmarks/compiled_backward.py,
+    transformers' layer, amp-bf16, 2 x 128, 2 x 192, 2 x 256 tokens, Inductor's own log of
+    each method's estimate). Both orders peak at the activation's fused kernel; they differ
+    there by what the deferral keeps and frees: first, the down weight's gradient in the
+    parameters' dtype is alive (``fresh`` elements) and the product and the incoming
+    gradient's cast (``cast``) are freed; deferred, the reverse. The estimates traced
+    differ by exactly that (2 x 128: dfs 327,680 B lower; 2 x 192: 32,768 B lower; 2 x 256:
+    262,144 B higher), so the lower of the two is Inductor's choice. Without autocast no
+    cast and no deferral traced (``swiglu_moments``' order)."""
+    return (dm.autocast and not dm.rerun
+            and fresh * dm.stream_e > inner + cast)
+
+
+def with_deferred_mlp(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
+                      dm: Dims) -> list[LayerMoment]:
+    """``moments`` (a layer's backward, from its last block's) where Inductor defers the
+    MLP's weight gradients to the backward's end (``down_grad_deferred``): after the MLP's
+    own moments, until the end (``autocast_end_bytes``), none of its fp32 weight gradients
+    exists, and what their matmuls read is alive: the product, the gate and up outputs'
+    gradients, the incoming gradient's cast and, once the MLP norm's backward has run, its
+    saved output (traced: 2 x 128 and 2 x 192 tokens, ``down_grad_deferred``'s cases: the
+    wrapper frees each at its last reader, the deferred matmul)."""
+    e, inner = dm.e, dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    fresh, cast = spec.hidden_size * spec.ffn_hidden_size // dm.tp, dm.rows * spec.hidden_size * e
+    if not (swiglu_backward(spec, dm, Recompute.NONE) and not in_checkpoint(wl)
+            and down_grad_deferred(dm, inner, cast, fresh)):
+        return list(moments)
+    out = []
+    for m in moments:
+        if m.name != "compiled_end" and ("mlp" in m.grads_before
+                                         and not m.name.startswith("mlp_")
+                                         or m.name == "mlp_norm"):
+            held = 3 * inner + cast + (cast if "mlp_norm" in m.grads_before else 0)
+            m = m._replace(alive_bytes=m.alive_bytes + held, grads_before=tuple(
+                g for g in m.grads_before if g not in ("mlp", "mlp_out")))
+        out.append(m)
+    return out
+
+
 def swiglu_moments(wl: Workload, dm: Dims, saved: int, inner: int, grad_inputs: int,
                    fresh: int, out_cast: int = 0) -> list[BackwardMoment]:
     """A compiled SwiGLU MLP's backward as Inductor schedules it (one kernel per scheduler
@@ -286,6 +331,12 @@ def swiglu_moments(wl: Workload, dm: Dims, saved: int, inner: int, grad_inputs: 
     freed, cast = autocast_grads(dm, grad_inputs // 2, out_cast)
     rebuilt = dm.rerun and not in_checkpoint(wl)
     last = BackwardMoment("mlp_in", 0, grad_inputs + inner, ("mlp",), fresh)
+    if not rebuilt and down_grad_deferred(dm, inner, cast, fresh):
+        # gate freed by the kernel, its gradient and up's (in up's buffer) kept for the
+        # deferred weight gradients, the input gradients made beside them
+        return [BackwardMoment("mlp", saved, inner + cast, ()),
+                BackwardMoment("mlp_act", saved - freed, 2 * inner + cast, ()),
+                BackwardMoment("mlp_in", saved - freed - inner, cast + inner + grad_inputs, ())]
     if not rebuilt:
         # under autocast at the down projection's grad-input matmul, the product freed by the
         # weight gradient's matmul before it (without, the eager moment: never the peak)
