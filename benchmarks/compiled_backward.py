@@ -42,6 +42,8 @@ CASES = [  # (library, fused q/k/v, dtype or amp-bf16, checkpoint: none, full or
     ("torchtitan", True, "bfloat16", "op", 2, 1024),
     # fp32 weights under torch.autocast(bfloat16) around the compiled forward (accelerate's
     # prepare_model: ``compiled_trace._autocast``)
+    ("transformers", False, "amp-bf16", "none", 2, 128),  # MLP weight gradients deferred
+    ("transformers", False, "amp-bf16", "none", 2, 192),  # (compiled.down_grad_deferred)
     ("transformers", False, "amp-bf16", "none", 2, 256),
     ("transformers", False, "amp-bf16", "full", 2, 256),
     ("transformers", False, "amp-bf16", "none", 2, 1024),

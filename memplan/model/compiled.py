@@ -41,8 +41,12 @@ matmuls read them), a norm's output as one cast (``linear.input_copies``), the M
 input as the output projection's output (``norm_input_e``); the fp32 norm output is fused
 away (``norm_output_fused``) and no autocast cache exists (``casts_in_graph``); the MLP's
 outputs (``mlp_outputs_bytes``), the checkpointed forward (``autocast_checkpointed_forward_
-bytes``) and the backward's end (``autocast_end_bytes``) follow Inductor's buffers. Traced:
-tests/traced/test_compile_trace.py (amp-bf16, amp-fp16).
+bytes``) and the backward's end (``autocast_end_bytes``) follow Inductor's buffers. The
+backward's kernels are those without autocast plus casts (``swiglu_backward``): the SwiGLU
+moments hold the incoming gradient's cast and free the down weight's (``autocast_grads``), and
+the MLP's weight gradients run first or at the end, whichever peaks lower at the fused kernel
+(``down_grad_deferred``, ``with_deferred_mlp``). Traced: tests/traced/test_compile_trace.py
+(amp-bf16, amp-fp16), benchmarks/compiled_backward.py (amp-bf16, 2 x 128 to 2 x 1,024).
 """
 
 from __future__ import annotations
@@ -136,7 +140,9 @@ def autocast_end_bytes(spec: ModelSpec, dm: Dims) -> int | None:
     """Compiled under autocast, what the layer's backward holds at its end beside all of the
     layer's weight gradients (in the parameters' dtype) and the incoming gradient; None
     otherwise. Inductor's ``reorder_for_peak_memory`` (torch/_inductor/memory.py, on by
-    default: torch/_inductor/config.py) moves the MLP's weight-gradient matmuls and their
+    default: torch/_inductor/config.py) moves, where the token count is small against the
+    MLP's width (``down_grad_deferred``; elsewhere a bound of the end, under the fused
+    kernel's moment), the MLP's weight-gradient matmuls and their
     casts to the parameters' fp32 after the attention's backward, at the graph's end (graph
     outputs, alive to its return wherever they are made): the three matmuls, then the three
     casts, each freeing its low-precision source, so at the last cast (the up projection's,
