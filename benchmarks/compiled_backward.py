@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "traced"))
 
 TITAN = dict(dim=256, n_layers=1, n_heads=8, n_kv_heads=2, vocab_size=1000)
-CASES = [  # (library, fused q/k/v, dtype, checkpoint: none, full or op (per-op SAC), batch, seq)
+CASES = [  # (library, fused q/k/v, dtype or amp-bf16, checkpoint: none, full or op (per-op SAC), batch, seq)
     ("torchtitan", True, "bfloat16", "full", 2, 64),
     ("torchtitan", True, "bfloat16", "full", 2, 96),  # T < h, no size coincidence
     ("torchtitan", True, "bfloat16", "full", 2, 1024),
@@ -40,6 +40,14 @@ CASES = [  # (library, fused q/k/v, dtype, checkpoint: none, full or op (per-op 
     ("torchtitan", True, "bfloat16", "op", 2, 64),  # torchtitan's per-op SAC
     ("torchtitan", True, "bfloat16", "op", 2, 96),
     ("torchtitan", True, "bfloat16", "op", 2, 1024),
+    # fp32 weights under torch.autocast(bfloat16) around the compiled forward (accelerate's
+    # prepare_model: ``compiled_trace._autocast``)
+    ("transformers", False, "amp-bf16", "none", 2, 128),  # MLP weight gradients deferred
+    ("transformers", False, "amp-bf16", "none", 2, 192),  # (compiled.down_grad_deferred)
+    ("transformers", False, "amp-bf16", "none", 2, 256),
+    ("transformers", False, "amp-bf16", "full", 2, 256),
+    ("transformers", False, "amp-bf16", "none", 2, 1024),
+    ("transformers", False, "amp-bf16", "full", 2, 1024),
 ]
 
 
@@ -56,7 +64,7 @@ def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch:
 
     recompute = {"none": Recompute.NONE, "full": Recompute.FULL,
                  "op": Recompute.SELECTIVE}[checkpoint]
-    precision = {"bfloat16": "bf16-pure", "float32": "fp32"}[dtype]
+    precision = {"bfloat16": "bf16-pure", "float32": "fp32"}.get(dtype, dtype)
     if library == "transformers":
         spec, extra = spec_from_hf_dict(hf("Meta-Llama-3-8B", **LLAMA3_TOY), "toy", "toy"), {}
     else:
@@ -69,10 +77,14 @@ def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch:
     dm = Dims.of(spec, ParallelConfig(), wl)
     kind = layer_kind(spec, wl, dm, False, recompute)
     groups = grad_group_params(spec, 1, 1, False)
-    stream = dm.rows * spec.hidden_size * dm.e
+    stream = dm.rows * spec.hidden_size * dm.stream_e
+    grad_e = dm.stream_e  # the weights' gradients in the parameters' dtype
+    # the end moment under autocast counts the incoming gradient in the held output's place
+    # and not the input, freed by then (``compiled.autocast_end_bytes``)
     backward = max(m.alive_bytes + m.transient_bytes
-                   + dm.e * sum(groups[g] for g in m.grads_before) for m in kind.moments)
-    return kind.forward_peak_bytes - stream, backward - stream
+                   + grad_e * sum(groups[g] for g in m.grads_before)
+                   - (0 if m.name == "compiled_end" else stream) for m in kind.moments)
+    return kind.forward_peak_bytes - stream, backward
 
 
 def traced_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: int,
@@ -83,7 +95,9 @@ def traced_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: 
 
     config = (hf("Meta-Llama-3-8B", **LLAMA3_TOY) if library == "transformers"
               else {"torchtitan": dict(TITAN, fuse_qkv=fused)})
-    _, forward, backward = compiled_layer_step(config, dtype, batch, seq, checkpoint=checkpoint)
+    weights, autocast = ("float32", "bfloat16") if dtype == "amp-bf16" else (dtype, None)
+    _, forward, backward = compiled_layer_step(config, weights, batch, seq, autocast,
+                                               checkpoint)
     return forward, backward
 
 

@@ -41,8 +41,12 @@ matmuls read them), a norm's output as one cast (``linear.input_copies``), the M
 input as the output projection's output (``norm_input_e``); the fp32 norm output is fused
 away (``norm_output_fused``) and no autocast cache exists (``casts_in_graph``); the MLP's
 outputs (``mlp_outputs_bytes``), the checkpointed forward (``autocast_checkpointed_forward_
-bytes``) and the backward's end (``autocast_end_bytes``) follow Inductor's buffers. Traced:
-tests/traced/test_compile_trace.py (amp-bf16, amp-fp16).
+bytes``) and the backward's end (``autocast_end_bytes``) follow Inductor's buffers. The
+backward's kernels are those without autocast plus casts (``swiglu_backward``): the SwiGLU
+moments hold the incoming gradient's cast and free the down weight's (``autocast_grads``), and
+the MLP's weight gradients run first or at the end, whichever peaks lower at the fused kernel
+(``down_grad_deferred``, ``with_deferred_mlp``). Traced: tests/traced/test_compile_trace.py
+(amp-bf16, amp-fp16), benchmarks/compiled_backward.py (amp-bf16, 2 x 128 to 2 x 1,024).
 """
 
 from __future__ import annotations
@@ -136,7 +140,9 @@ def autocast_end_bytes(spec: ModelSpec, dm: Dims) -> int | None:
     """Compiled under autocast, what the layer's backward holds at its end beside all of the
     layer's weight gradients (in the parameters' dtype) and the incoming gradient; None
     otherwise. Inductor's ``reorder_for_peak_memory`` (torch/_inductor/memory.py, on by
-    default: torch/_inductor/config.py) moves the MLP's weight-gradient matmuls and their
+    default: torch/_inductor/config.py) moves, where the token count is small against the
+    MLP's width (``down_grad_deferred``; elsewhere a bound of the end, under the fused
+    kernel's moment), the MLP's weight-gradient matmuls and their
     casts to the parameters' fp32 after the attention's backward, at the graph's end (graph
     outputs, alive to its return wherever they are made): the three matmuls, then the three
     casts, each freeing its low-precision source, so at the last cast (the up projection's,
@@ -198,10 +204,15 @@ def checkpointed_mlp_working_bytes(spec: ModelSpec, dm: Dims,
 
 
 def _plain_gated(spec: ModelSpec, dm: Dims) -> bool:
-    """A compiled gated MLP as traced: no autocast, its own gate and up projections, the
-    activation one aten op, plain linears (no adapters, no Transformer Engine fp8; float8 is
-    each caller's test)."""
-    return (dm.compiled and not dm.autocast and spec.mlp.gated and not spec.fused_gate_up
+    """A compiled gated MLP as traced without autocast (``_gated_kernel``)."""
+    return _gated_kernel(spec, dm) and not dm.autocast
+
+
+def _gated_kernel(spec: ModelSpec, dm: Dims) -> bool:
+    """A compiled gated MLP as traced: its own gate and up projections, the activation one
+    aten op, plain linears (no adapters, no Transformer Engine fp8; float8 is each caller's
+    test), with or without autocast."""
+    return (dm.compiled and spec.mlp.gated and not spec.fused_gate_up
             and spec.activation_impl is ActivationImpl.KERNEL and dm.adapters is None
             and dm.te_fp8 is TeFp8Recipe.NONE)
 
@@ -218,16 +229,83 @@ def mlp_terms(terms: list[Term], gated: bool) -> list[Term]:
 
 
 def swiglu_backward(spec: ModelSpec, dm: Dims, recompute: Recompute) -> bool:
-    """Whether ``swiglu_moments`` gives a dense MLP's backward: a plain compiled gated MLP
-    (``_plain_gated``; autocast's moments are its own, ``autocast_end_bytes``), SwiGLU, no
-    float8, no dropout, and the block rebuilt whole or not recomputed (``recompute`` NONE:
-    a layer without recompute, a full recompute's rerun, per-op SAC's full recompute)."""
-    return (_plain_gated(spec, dm) and spec.mlp is MlpKind.SWIGLU and spec.dropout == 0
+    """Whether ``swiglu_moments`` gives a dense MLP's backward: a compiled gated MLP as
+    traced (``_gated_kernel``, with or without autocast), SwiGLU, no float8, no dropout, and
+    the block rebuilt whole or not recomputed (``recompute`` NONE: a layer without
+    recompute, a full recompute's rerun, per-op SAC's full recompute). Under autocast the
+    backward's kernels are the same (traced: benchmarks/compiled_backward.py, transformers'
+    layer, amp-bf16, 2 x 256 and 2 x 1,024 tokens, without recompute and inside full
+    checkpointing): the casts autocast put in the forward add a cast of the incoming
+    gradient to the compute dtype before the down projection's matmuls and a cast of each
+    weight gradient to the parameters' dtype after its matmul (``_to_copy`` kernels of their
+    own), nothing inside the activation's fused kernel, whose inputs and outputs are all in
+    the compute dtype (``autocast_grads``)."""
+    return (_gated_kernel(spec, dm) and spec.mlp is MlpKind.SWIGLU and spec.dropout == 0
             and dm.float8 is Float8Recipe.NONE and recompute is Recompute.NONE)
 
 
+def autocast_grads(dm: Dims, stream: int, out_cast: int) -> tuple[int, int]:
+    """Compiled under autocast, the two tensors of the MLP's backward that its autocast casts
+    make differ (0, 0 without): (the down projection's weight cast, ``out_cast``, saved for
+    its grad-input matmul, which frees it: the wrapper's ``del`` after a buffer's last
+    reader, torch/_inductor/codegen/wrapper.py ``FreeIfNotReusedLine``, before the
+    activation's kernel; the incoming gradient's cast to the compute dtype, ``stream``: rows x
+    h in the compute dtype, the down projection's matmuls' operand, the backward of
+    autocast's ``_to_copy`` of that matmul's output: alive until the down projection's
+    weight gradient, which a rebuilt layer runs after the activation's kernel). The weight
+    gradients' bf16 outputs are cast to fp32 each right after its matmul and freed (traced
+    with ``swiglu_backward``'s cases: at the activation's kernel the down projection's
+    gradient exists in fp32 alone)."""
+    return (out_cast, stream) if dm.compiled and dm.autocast else (0, 0)
+
+
+def down_grad_deferred(dm: Dims, inner: int, cast: int, fresh: int) -> bool:
+    """Compiled under autocast, the layer not rebuilt: whether Inductor runs the MLP's weight
+    gradients after the attention's backward (``autocast_end_bytes``), the down projection's
+    among them, rather than first. ``reorder_for_peak_memory`` (torch/_inductor/memory.py)
+    keeps the order of the lowest estimated peak among the scheduler's own (``baseline``:
+    the down weight's gradient first) and three topological sorts, of which
+    ``topological_sort_dfs`` defers it (traced: benchmarks/compiled_backward.py,
+    transformers' layer, amp-bf16, 2 x 128, 2 x 192, 2 x 256 tokens, Inductor's own log of
+    each method's estimate). Both orders peak at the activation's fused kernel; they differ
+    there by what the deferral keeps and frees: first, the down weight's gradient in the
+    parameters' dtype is alive (``fresh`` elements) and the product and the incoming
+    gradient's cast (``cast``) are freed; deferred, the reverse. The estimates traced
+    differ by exactly that (2 x 128: dfs 327,680 B lower; 2 x 192: 32,768 B lower; 2 x 256:
+    262,144 B higher), so the lower of the two is Inductor's choice. Without autocast no
+    cast and no deferral traced (``swiglu_moments``' order)."""
+    return (dm.autocast and not dm.rerun
+            and fresh * dm.stream_e > inner + cast)
+
+
+def with_deferred_mlp(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
+                      dm: Dims) -> list[LayerMoment]:
+    """``moments`` (a layer's backward, from its last block's) where Inductor defers the
+    MLP's weight gradients to the backward's end (``down_grad_deferred``): after the MLP's
+    own moments, until the end (``autocast_end_bytes``), none of its fp32 weight gradients
+    exists, and what their matmuls read is alive: the product, the gate and up outputs'
+    gradients, the incoming gradient's cast and, once the MLP norm's backward has run, its
+    saved output (traced: 2 x 128 and 2 x 192 tokens, ``down_grad_deferred``'s cases: the
+    wrapper frees each at its last reader, the deferred matmul)."""
+    e, inner = dm.e, dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    fresh, cast = spec.hidden_size * spec.ffn_hidden_size // dm.tp, dm.rows * spec.hidden_size * e
+    if not (swiglu_backward(spec, dm, Recompute.NONE) and not in_checkpoint(wl)
+            and down_grad_deferred(dm, inner, cast, fresh)):
+        return list(moments)
+    out = []
+    for m in moments:
+        if m.name != "compiled_end" and ("mlp" in m.grads_before
+                                         and not m.name.startswith("mlp_")
+                                         or m.name == "mlp_norm"):
+            held = 3 * inner + cast + (cast if "mlp_norm" in m.grads_before else 0)
+            m = m._replace(alive_bytes=m.alive_bytes + held, grads_before=tuple(
+                g for g in m.grads_before if g not in ("mlp", "mlp_out")))
+        out.append(m)
+    return out
+
+
 def swiglu_moments(wl: Workload, dm: Dims, saved: int, inner: int, grad_inputs: int,
-                   fresh: int) -> list[BackwardMoment]:
+                   fresh: int, out_cast: int = 0) -> list[BackwardMoment]:
     """A compiled SwiGLU MLP's backward as Inductor schedules it (one kernel per scheduler
     node, as a GPU backend launches them; traced on CPU: benchmarks/compiled_backward.py,
     torchtitan 0.3's block and transformers' layer at 2 x 1,024 tokens): the activation's and
@@ -248,15 +326,42 @@ def swiglu_moments(wl: Workload, dm: Dims, saved: int, inner: int, grad_inputs: 
       Then the down weight's gradient (gate, up and the input gradient freed), then the input
       projections' as eagerly (``mlp_in``).
     ``saved``: the block's saved bytes (the product among them: the rerun holds it by the
-    time the kernel has run)."""
+    time the kernel has run). Under autocast (``out_cast``: the down projection's saved
+    weight cast) what ``autocast_grads`` adds: the weight cast freed from the kernel on, the
+    incoming gradient's cast (``grad_inputs`` / 2 is rows x h in the compute dtype) alive
+    until the down weight's gradient; not rebuilt, the down projection's moment is its
+    grad-input matmul, the product freed by the weight gradient's matmul before it (the
+    order traced: ``mm(grad.T, product)``, ``del`` product, ``mm(grad, weight_cast)``; its
+    weight gradient counted in the parameters' dtype, where the trace holds the compute
+    dtype's until the cast after: h x f / t x (4 - 2) B over there, never the peak traced)."""
+    freed, cast = autocast_grads(dm, grad_inputs // 2, out_cast)
     rebuilt = dm.rerun and not in_checkpoint(wl)
     last = BackwardMoment("mlp_in", 0, grad_inputs + inner, ("mlp",), fresh)
+    if not rebuilt and down_grad_deferred(dm, inner, cast, fresh):
+        # gate freed by the kernel, its gradient and up's (in up's buffer) kept for the
+        # deferred weight gradients, the input gradients made beside them
+        return [BackwardMoment("mlp", saved, inner + cast, ()),
+                BackwardMoment("mlp_act", saved - freed, 2 * inner + cast, ()),
+                BackwardMoment("mlp_in", saved - freed - inner, cast + inner + grad_inputs, ())]
     if not rebuilt:
-        return [BackwardMoment("mlp", saved, inner, ("mlp_out",), fresh, inner),
-                BackwardMoment("mlp_act", saved - inner, 2 * inner, ("mlp_out",)), last]
-    return [BackwardMoment("mlp_act", saved, 3 * inner, ()),
-            BackwardMoment("mlp", saved - 2 * inner, 2 * inner, ("mlp_out",), fresh, inner),
+        # under autocast at the down projection's grad-input matmul, the product freed by the
+        # weight gradient's matmul before it (without, the eager moment: never the peak)
+        product = inner if dm.autocast else 0
+        return [BackwardMoment("mlp", saved - product, inner + cast, ("mlp_out",), fresh,
+                               inner - product),
+                BackwardMoment("mlp_act", saved - inner - freed, 2 * inner, ("mlp_out",)),
+                last]
+    return [BackwardMoment("mlp_act", saved - freed, 3 * inner + cast, ()),
+            BackwardMoment("mlp", saved - 2 * inner - freed, 2 * inner + cast, ("mlp_out",),
+                           fresh, inner),
             last]
+
+
+def sac_schedule(spec: ModelSpec, dm: Dims) -> bool:
+    """Whether a rebuilt layer's attention side follows the traced schedule (``sac_deferred``,
+    ``attention_backward_moments``): ``swiglu_backward``'s MLP without autocast (torchtitan's
+    block was traced in bf16 alone)."""
+    return swiglu_backward(spec, dm, Recompute.NONE) and not dm.autocast
 
 
 def sac_deferred(moments: Sequence[LayerMoment], rebuilt: Sequence[Term],
@@ -292,8 +397,7 @@ def rebuilt_attention_schedule(spec: ModelSpec, wl: Workload, dm: Dims,
     sequence (no TP, no CP). Elsewhere (separate q/k/v, transformers' real RoPE, TP) the
     schedule was not traced and the eager order's moments stand."""
     return (recompute is Recompute.FULL and not in_checkpoint(wl)
-            and swiglu_backward(spec, dm, Recompute.NONE)
-            and (wl.fused_qkv or spec.fused_qkv) and wl.rope_cache is RopeCache.LAYER
+            and sac_schedule(spec, dm) and (wl.fused_qkv or spec.fused_qkv) and wl.rope_cache is RopeCache.LAYER
             and spec.position is PositionKind.ROPE and spec.qk_norm is QkNorm.NONE
             and wl.attention_impl is AttentionImpl.GENERIC and spec.mla is None
             and not (spec.attn_output_gate or spec.attn_sinks or spec.linear_attention)

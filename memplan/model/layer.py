@@ -432,6 +432,8 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
                             0 if host_saved else m.hook_freed)
                 for m in block.backward_moments(spec, wl, dm, policy)]
         later += (block.name,)
+    if not moe_layer:  # compiled under autocast, the MLP's weight gradients at the end
+        out = compiled.with_deferred_mlp(out, spec, wl, dm)
     if not moe_layer and (end := compiled.autocast_end_bytes(spec, dm)) is not None:
         # the compiled backward's end: every weight gradient made (``compiled.
         # autocast_end_bytes``), the saved set freed
@@ -567,7 +569,7 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         late = sum(t.size_bytes for t in kept
                    if t.name == "sac.mlp.w2" or (t.name == "sac.mlp.w1" and gate_held))
         moments = full.moments
-        if in_graph and compiled.swiglu_backward(spec, dm, Recompute.NONE):  # traced kernel
+        if in_graph and compiled.sac_schedule(spec, dm):  # traced kernel
             moments = compiled.sac_deferred(moments, _attention_rebuilt(spec, wl, dm, variant),
                                             kept)
             moments = compiled.with_attention_backward(moments, spec, wl, dm, kept)

@@ -553,7 +553,9 @@ class Mlp:
         inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
         terms = self.saved(spec, wl, dm, recompute)
         if compiled.swiglu_backward(spec, dm, recompute):  # Inductor's schedule
-            return compiled.swiglu_moments(wl, dm, total(terms), inner, 2 * rows_h_e, fresh)
+            return compiled.swiglu_moments(
+                wl, dm, total(terms), inner, 2 * rows_h_e, fresh,
+                linear.saved_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm))
         # a plain MLP has one input projection: nothing to sum
         moments = backward_moments(
             spec, dm, saved=total(terms),

@@ -201,6 +201,44 @@ def test_compiled_autocast_layer_matches_trace(autocast: str, precision: str,
     assert modelled == backward == 4_130_816
 
 
+@pytest.mark.parametrize("seq,saved,backward", [(192, 5_258_240, 6_372_352),
+                                                 (256, 6_443_008, 7_819_264)])
+def test_compiled_autocast_swiglu_backward(seq: int, saved: int, backward: int) -> None:
+    """The autocast toy (fp32 weights, CPU autocast to bf16, no recompute) at 2 x 192 and
+    2 x 256 tokens, where the backward peaks at the MLP's fused SiLU-backward kernel
+    (``compiled.swiglu_moments``), one kernel per scheduler node. Inductor's
+    ``reorder_for_peak_memory`` keeps the lower of two orders there
+    (``compiled.down_grad_deferred``): the down weight's fp32 gradient h*f*4 = 917,504
+    against the product T*f*2 and the incoming gradient's bf16 cast T*h*2.
+
+    T = 384: 688,128 + 196,608 = 884,736 < 917,504, deferred: the saved set (5,258,240, the
+    fp32 input 393,216 among it) less the input and the down weight's bf16 cast 458,752,
+    with the cast 196,608, the kernel's input gradient and its new gradient 688,128 each (up's
+    written in up's buffer) and the held output 393,216: 6,372,352.
+    T = 512: 917,504 + 262,144 > 917,504, the down weight's gradient first: the saved set
+    (6,443,008) less the input 524,288, the product 917,504 and the down weight's cast,
+    with that gradient 917,504 (fp32; its bf16 source freed by its cast), the kernel's two
+    gradients 917,504 each (the cast freed with the grad-input matmul) and the held output
+    524,288: 7,819,264. Both exact; the forward peak as ``test_compiled_autocast_layer_
+    matches_trace`` models it."""
+    from memplan.model.layer import grad_group_params
+    from memplan.profile.compiled_trace import compiled_layer_step
+
+    traced, forward, peak = compiled_layer_step(TOY, "float32", BATCH, seq, autocast="bfloat16")
+    spec = spec_from_hf_dict(TOY, "llama3-toy", "llama3-toy")
+    wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="amp-bf16", compile=True)
+    kind = layer_kind(spec, wl, Dims.of(spec, ParallelConfig(), wl), False, Recompute.NONE)
+    groups = grad_group_params(spec, 1, 1, False)
+    stream = BATCH * seq * TOY["hidden_size"] * 4
+    assert kind.saved_bytes == saved == sum(
+        t.size_bytes for t in traced
+        if not t.graph_input or t.shape == (BATCH, seq, TOY["hidden_size"]))
+    assert kind.forward_peak_bytes - stream == forward
+    modelled = max(m.alive_bytes + m.transient_bytes + 4 * sum(groups[g] for g in m.grads_before)
+                   - (0 if m.name == "compiled_end" else stream) for m in kind.moments)
+    assert modelled == peak == backward
+
+
 def test_compiled_fp16_autocast_layer_saves_what_the_partitioner_saves() -> None:
     """As ``test_compiled_autocast_layer_matches_trace`` under CPU autocast to fp16 (which
     CPU autocast runs: its lower-precision list takes float16 as bfloat16): the same saved

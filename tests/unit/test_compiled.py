@@ -375,3 +375,70 @@ def test_compiled_torchao_nf4_saves_dequantized_weights() -> None:
     plain, nf4 = terms(base), terms(quant)
     assert nf4["attn.dequant_weights"] == 24_576 and nf4["mlp.dequant_weights"] == 67_584
     assert sum(nf4.values()) - sum(plain.values()) == 92_160
+
+
+def test_autocast_down_gradient_deferred_by_size() -> None:
+    """Inductor keeps the order of the lower estimated peak at the MLP's fused kernel
+    (``compiled.down_grad_deferred``): the down weight's fp32 gradient h*f*4 = 64*176*4 =
+    45,056 against the product and the incoming gradient's cast. T = 64: 64*176*2 = 22,528
+    + 64*64*2 = 8,192 = 30,720 < 45,056: deferred. T = 128: 45,056 + 16,384 = 61,440:
+    first. Without autocast never deferred."""
+    from memplan.model.compiled import down_grad_deferred
+
+    assert down_grad_deferred(AMP_DM, 22_528, 8_192, 11_264)
+    assert not down_grad_deferred(AMP_DM, 45_056, 16_384, 11_264)
+    assert not down_grad_deferred(DM, 22_528, 0, 11_264)
+
+
+def test_autocast_swiglu_moments_deferred() -> None:
+    """T = 64 under autocast, the down weight's gradient deferred: the MLP saves gate, up,
+    product 22,528 each and its weights' bf16 casts 67,584: 135,168. The down projection's
+    grad-input matmul: all of it, beside the incoming gradient's bf16 cast 8,192 and its
+    output 22,528 (30,720); the fused kernel: the down weight's cast 22,528 freed (112,640),
+    beside the cast and the kernel's input gradient and new gradient (2 * 22,528 + 8,192 =
+    53,248); the input projections: gate freed too (90,112), beside the cast, gate's
+    gradient 22,528 and both input gradients 2 * 8,192 (47,104). No weight gradient yet."""
+    from memplan.model.compiled import swiglu_moments
+
+    got = swiglu_moments(AMP, AMP_DM, 135_168, 22_528, 16_384, 11_264, 22_528)
+    assert [(m.name, m.own_bytes, m.transient_bytes, m.grads) for m in got] == [
+        ("mlp", 135_168, 30_720, ()), ("mlp_act", 112_640, 53_248, ()),
+        ("mlp_in", 90_112, 47_104, ())]
+
+
+def test_autocast_swiglu_moments_down_gradient_first() -> None:
+    """T = 128 (seq 64) under autocast, the down weight's gradient first: inner 128*176*2 =
+    45,056, the cast 16,384, saved 3 * 45,056 + 67,584 = 202,752. The grad-input matmul:
+    the product freed by the weight gradient's matmul (157,696), beside its output and the
+    cast (61,440), the down gradient made; the kernel: the down weight's cast 22,528 freed
+    too (135,168), two gradients 90,112 (the cast freed); then the input projections as
+    without autocast (0 own, both input gradients 32,768 and one inner, 77,824)."""
+    from memplan.model.compiled import swiglu_moments
+
+    wl = AMP.model_copy(update={"seq_len": 64})
+    dm = Dims.of(TINY, ParallelConfig(), wl)
+    got = swiglu_moments(wl, dm, 202_752, 45_056, 32_768, 11_264, 22_528)
+    assert [(m.name, m.own_bytes, m.transient_bytes, m.grads, m.fresh_params, m.hook_freed)
+            for m in got] == [
+        ("mlp", 157_696, 61_440, ("mlp_out",), 11_264, 0),
+        ("mlp_act", 135_168, 90_112, ("mlp_out",), 0, 0),
+        ("mlp_in", 0, 77_824, ("mlp",), 11_264, 0)]
+
+
+def test_autocast_deferred_mlp_holds_what_its_weight_gradients_read() -> None:
+    """T = 64, deferred: after the MLP's moments, until the end, no MLP weight gradient
+    exists and the product, gate's and up's gradients (3 * 22,528) and the incoming
+    gradient's cast 8,192 are alive (75,776), and after the MLP norm's backward its output's
+    cast 8,192 too (83,968); the MLP's own moments and the end are left as they are."""
+    from memplan.model.compiled import with_deferred_mlp
+    from memplan.model.layer import LayerMoment
+
+    moments = [LayerMoment("mlp_act", 10, 1, ()), LayerMoment("mlp_norm", 10, 1, ("mlp",)),
+               LayerMoment("attn_in", 10, 1, ("mlp", "mlp_norm", "attn")),
+               LayerMoment("compiled_end", 0, 1, ("mlp", "mlp_norm", "attn"))]
+    got = with_deferred_mlp(moments, TINY, AMP, AMP_DM)
+    assert [(m.name, m.alive_bytes, m.grads_before) for m in got] == [
+        ("mlp_act", 10, ()), ("mlp_norm", 75_786, ()),
+        ("attn_in", 83_978, ("mlp_norm", "attn")),
+        ("compiled_end", 0, ("mlp", "mlp_norm", "attn"))]
+    assert with_deferred_mlp(moments, TINY, WL, DM) == moments
