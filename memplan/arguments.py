@@ -157,9 +157,10 @@ def _remember(model: Record, checked: Record) -> None:
         fields_hash = field_hash(model)
     except TypeError:  # a list or dict field: it may change in place
         return
-    # no callback on the reference (``memplan.choices.cached_hash`` says why): entries of
-    # dead objects are dropped in bulk, and a later object given a dead one's id is told
-    # apart by the reference (``_known``)
+    # no callback on the reference (Python runs one wherever the object dies, and a Ctrl-C
+    # arriving during it is swallowed: tests/unit/test_faults.py): entries of dead objects
+    # are dropped in bulk, and a later object given a dead one's id is told apart by the
+    # reference (``_known``)
     prune(_CHECKED, _CHECKED_LIMIT, 0)
     _CHECKED[id(model)] = (weakref.ref(model), fields_hash, checked)
 

@@ -106,8 +106,8 @@ _GETTERS: dict[type, Any] = {}
 
 
 def cached_hash(self: Any) -> int:
-    """``hash(self)`` for a frozen record (use as its class's ``__hash__``): computed once, then
-    read from the record's ``_kept_hash`` slot."""
+    """``hash(self)`` for a frozen record (``Record.__hash__``, so every record's): computed
+    once, then read from the record's ``_kept_hash`` slot."""
     try:
         return self._kept_hash
     except AttributeError:

@@ -11,7 +11,7 @@ import tomllib
 from functools import lru_cache
 
 from memplan.catalog import data_dir, suggest
-from memplan.choices import Field, Record, cached_hash
+from memplan.choices import Field, Record
 from memplan.errors import MemplanError, ValidationError
 
 # The GPU an estimate or a plan assumes when none is named (``memplan gpus`` lists the others).
@@ -20,8 +20,6 @@ DEFAULT_GPU = "h100-sxm"
 
 class GpuSpec(Record):
     """One accelerator model. Bandwidths are bytes/s in one direction, per GPU."""
-
-    __hash__ = cached_hash  # (memplan.choices: computed once per object)
 
     name: str
     aliases: tuple[str, ...] = ()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
-from memplan.choices import Field, Record, cached_hash, field_validator
+from memplan.choices import Field, Record, field_validator
 from memplan.choices import PlainEnum, PlainIntEnum
 from memplan import presets
 from memplan.errors import LayoutError
@@ -230,8 +230,6 @@ class ParallelConfig(Record):
     (megatron/core/parallel_state.py initialize_model_parallel: the expert-data-parallel
     group is world / (etp * ep * pp)).
     """
-
-    __hash__ = cached_hash  # (memplan.choices: computed once per object)
 
     tp: int = Field(default=1, gt=0)
     pp: int = Field(default=1, gt=0)

@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from memplan.choices import Field, Record, cached_hash, model_validator
+from memplan.choices import Field, Record, model_validator
 from memplan.choices import PlainEnum
 from memplan.arguments import file_fields
 from memplan.catalog import data_dir, suggest
@@ -365,8 +365,6 @@ class MambaSpec(Record):
 
 class ModelSpec(Record):
     """A decoder-only transformer. Widths are element counts, not bytes."""
-
-    __hash__ = cached_hash  # (memplan.choices: computed once per object)
 
     name: str
     source: str = Field(description="where the numbers come from")

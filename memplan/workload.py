@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from memplan.choices import Field, Record, cached_hash, field_validator, model_validator
+from memplan.choices import Field, Record, field_validator, model_validator
 from memplan.choices import PlainEnum, RankedEnum
 from memplan.errors import MemplanError
 from memplan.spec import MAX_LAYERS
@@ -436,7 +436,7 @@ class RopeCache(PlainEnum):
              forward (torchtune up to 0.1: modules/position_embeddings.py
              ``RotaryPositionalEmbeddings._rope_init`` and ``build_rope_cache``; every layer
              its own copy, ``_get_clones`` in modules/transformer.py;
-             ``memplan.model.attention.torchtune_rope_layer_bytes``)
+             ``memplan.model.attention.max_positions_rope_bytes``)
     """
 
     FORWARD = "forward"
@@ -686,8 +686,6 @@ LORA_HEAD = ("output", "lm_head")
 
 class Workload(Record):
     """One training step. Token counts are per micro-batch, per data-parallel replica."""
-
-    __hash__ = cached_hash  # (memplan.choices: computed once per object)
 
     micro_batch_size: int = Field(default=1, gt=0, le=MAX_SEQUENCES)
     global_batch_size: int | None = Field(default=None, gt=0, le=MAX_SEQUENCES,

@@ -14,7 +14,8 @@ from functools import lru_cache
 
 from memplan.model import compiled, eager, linear
 from memplan.model.block import BackwardMoment, Moment
-from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, residual_dropout_mask, total
+from memplan.model.dims import (COMPLEX64_PAIR_BYTES, FP32_BYTES, INDEX_BYTES, Dims, Term,
+                                residual_dropout_mask, total)
 from memplan.model.linear import Linear, Split
 from memplan.model.norm import norm_terms
 from memplan.spec import ModelSpec, PositionKind, QkNorm, qk_norm_params
@@ -749,30 +750,25 @@ def rope_tables(spec: ModelSpec) -> int:
     return 2 if spec.rope_per_layer_type and both else 1
 
 
-# torchtitan's RoPE.cache: complex64, one (real, imaginary) fp32 pair per two rotated dims
-# (models/common/rope.py ComplexRoPE._precompute_cache: torch.polar of fp32 frequencies)
-COMPLEX64_PAIR_BYTES = 8
-
-
 def rope_buffer_bytes(spec: ModelSpec, wl: Workload, num_layers: int) -> int:
     """RoPE tables held as registered buffers by one pipeline stage with ``num_layers``
     decoder layers, for the training sequence's positions (``Workload.rope_cache``): litgpt's
     model-wide cos and sin in the weights' dtype (Fabric converts floating buffers with the
     module), torchtitan's complex cache in every attention layer, or (before 0.3) one on the
     model; torchtune's (up to 0.1) fp32 cache in every layer, for the model's positions
-    (``torchtune_rope_layer_bytes``). Not sharded by TP or CP: each rank keeps every
+    (``max_positions_rope_bytes``). Not sharded by TP or CP: each rank keeps every
     position."""
     if spec.position is not PositionKind.ROPE or wl.rope_cache is RopeCache.FORWARD:
         return 0
     if wl.rope_cache is RopeCache.MODEL:
         return 2 * wl.seq_len * spec.rope_dim * wl.precision.policy.params.itemsize
     if wl.rope_cache is RopeCache.LAYER_MAX:
-        return num_layers * torchtune_rope_layer_bytes(spec)
+        return num_layers * max_positions_rope_bytes(spec)
     table = wl.seq_len * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES
     return table if wl.rope_cache is RopeCache.MODEL_COMPLEX else num_layers * table
 
 
-def torchtune_rope_layer_bytes(spec: ModelSpec) -> int:
+def max_positions_rope_bytes(spec: ModelSpec) -> int:
     """One layer's RoPE buffers in torchtune up to 0.1 (``RopeCache.LAYER_MAX``):
     ``RotaryPositionalEmbeddings._rope_init`` registers ``theta``, head_dim / 2 frequencies
     made ``.float()``, and ``build_rope_cache`` a ``cache`` of ``torch.stack([cos, sin],

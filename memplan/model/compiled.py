@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 
 from memplan.model import linear
 from memplan.model.block import BackwardMoment, Moment
-from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
+from memplan.model.dims import COMPLEX64_PAIR_BYTES, FP32_BYTES, INDEX_BYTES, Dims, Term
 from memplan.spec import ActivationImpl, MlpKind, ModelSpec, MoESpec, PositionKind, QkNorm
 from memplan.workload import (
     Attention,
@@ -382,11 +382,6 @@ def sac_deferred(moments: Sequence[LayerMoment], rebuilt: Sequence[Term],
                  if m.name == "mlp_act" else m for m in moments)
 
 
-# RoPE's complex64 table: one (real, imaginary) pair of fp32 per rotated pair
-# (torchtitan/models/common/rope.py: torch.polar; ``attention.COMPLEX64_PAIR_BYTES``)
-_COMPLEX64_PAIR_BYTES = 8
-
-
 def rebuilt_attention_schedule(spec: ModelSpec, wl: Workload, dm: Dims,
                                recompute: Recompute) -> bool:
     """Whether ``attention_backward_moments`` gives the attention side of a compiled layer's
@@ -397,7 +392,8 @@ def rebuilt_attention_schedule(spec: ModelSpec, wl: Workload, dm: Dims,
     sequence (no TP, no CP). Elsewhere (separate q/k/v, transformers' real RoPE, TP) the
     schedule was not traced and the eager order's moments stand."""
     return (recompute is Recompute.FULL and not in_checkpoint(wl)
-            and sac_schedule(spec, dm) and (wl.fused_qkv or spec.fused_qkv) and wl.rope_cache is RopeCache.LAYER
+            and sac_schedule(spec, dm) and (wl.fused_qkv or spec.fused_qkv)
+            and wl.rope_cache is RopeCache.LAYER
             and spec.position is PositionKind.ROPE and spec.qk_norm is QkNorm.NONE
             and wl.attention_impl is AttentionImpl.GENERIC and spec.mla is None
             and not (spec.attn_output_gate or spec.attn_sinks or spec.linear_attention)
@@ -445,7 +441,7 @@ def attention_backward_moments(spec: ModelSpec, dm: Dims, kept: Sequence[Term] |
     kv = dm.tokens * spec.num_kv_heads * spec.head_dim * dm.e
     q32 = q // dm.e * FP32_BYTES
     stats = dm.rows * FP32_BYTES
-    table = dm.s * (spec.rope_dim // 2) * _COMPLEX64_PAIR_BYTES
+    table = dm.s * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES
     common = 2 * th + 2 * th + th + q + stats  # input, wo output, MLP input grads, attn grads
     if kept is None:  # full AC: the attention norm's output and statistics, SDPA's output
         alive = common + th + stats + q

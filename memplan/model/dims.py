@@ -23,6 +23,9 @@ from memplan.workload import Float8Recipe, TeFp8Recipe, Workload
 
 INDEX_BYTES = DType.INT64.itemsize  # token ids and targets are int64 (torch.long)
 MASK_BYTES = 1  # torch's native_dropout returns a bool mask, one byte per element
+# torchtitan's RoPE.cache: complex64, one (real, imaginary) fp32 pair per two rotated dims
+# (models/common/rope.py ComplexRoPE._precompute_cache: torch.polar of fp32 frequencies)
+COMPLEX64_PAIR_BYTES = 2 * FP32_BYTES
 
 
 class Term(NamedTuple):

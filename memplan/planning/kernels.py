@@ -98,14 +98,9 @@ FP8_MEASURED_SPEEDUP = {"9.0": 1402.6 / 794.5}
 
 def gemm_rate(table: tuple[tuple[int, ...], ...], n: int, k: int) -> float:
     """FLOP/s of a GEMM with output columns ``n`` and inner dimension ``k``: bilinear in
-    log2 between the table's points, held at its ends beyond them."""
-    def pos(x: int) -> float:
-        lo, hi = math.log2(GEMM_DIMS[0]), math.log2(GEMM_DIMS[-1])
-        return (min(max(math.log2(max(x, 1)), lo), hi) - lo)  # steps of 1 between points
-
-    pn, pk = pos(n), pos(k)
-    i, j = min(int(pn), 3), min(int(pk), 3)
-    fn, fk = pn - i, pk - j
+    log2 between the table's points (``_log2_position``), held at its ends beyond them."""
+    i, fn = _log2_position(n, GEMM_DIMS)
+    j, fk = _log2_position(k, GEMM_DIMS)
     r = table
     return ((1 - fn) * (1 - fk) * r[i][j] + fn * (1 - fk) * r[i + 1][j]
             + (1 - fn) * fk * r[i][j + 1] + fn * fk * r[i + 1][j + 1])

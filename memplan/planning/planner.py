@@ -265,10 +265,9 @@ def _fixed_checked(fixed: dict[str, object]) -> dict[str, object]:
     """``fixed`` with each layout value given converted and checked as its field
     (``ParallelConfig``'s checks, once a plan): the layouts are then made unchecked
     (``_layout``)."""
-    given = {FIXED_FIELDS[k]: v for k, v in fixed.items() if k in FIXED_FIELDS and v is not None}
-    par = ParallelConfig(**given)  # type: ignore[arg-type]
-    return {**fixed, **{k: getattr(par, FIXED_FIELDS[k]) for k, v in fixed.items()
-                        if k in FIXED_FIELDS and v is not None}}
+    given = [k for k, v in fixed.items() if k in FIXED_FIELDS and v is not None]
+    par = ParallelConfig(**{FIXED_FIELDS[k]: fixed[k] for k in given})  # type: ignore[arg-type]
+    return {**fixed, **{k: getattr(par, FIXED_FIELDS[k]) for k in given}}
 
 
 def _expert_splits(spec: ModelSpec, tp: int, dp_cp: int,
@@ -316,7 +315,7 @@ def _layout(tp: int, pp: int, vpp: int, dp: int, cp: int, ep: int, zero: int,
     """One object per layout, so caches keyed by it hit by identity across plans. Made
     without the fields' checks (``model_construct``): the search's own values, each of its
     field's type and within its bounds (``layouts`` enumerates them; the record checked
-    field by field is the same, tests/unit/test_planner.py); the layout's rules are
+    field by field is the same, tests/unit/test_layouts.py); the layout's rules are
     ``validate``'s, which the search runs on each (``_usable``)."""
     return ParallelConfig.model_construct(
         tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, zero=ZeroStage(zero),
@@ -330,20 +329,15 @@ def _fewest_layers(num_layers: int, pp: int, vpp: int, split: tuple[int, ...] | 
     return min(rank_layers(num_layers, pipeline_only(pp, vpp, split)))
 
 
-@lru_cache(maxsize=1024)
-def _cached_policies(allowed: tuple[Recompute, ...], stage_layers: int
-                     ) -> tuple[tuple[Recompute, int | None], ...]:
-    return tuple(_policy_list(allowed, stage_layers))
-
-
-def _policies(allowed: tuple[Recompute, ...], stage_layers: int
+def _policies(allowed: tuple[Recompute, ...] | list[Recompute], stage_layers: int
               ) -> list[tuple[Recompute, int | None]]:
-    """``_policy_list`` (made once per stage size: a fresh list for each layout)."""
-    return list(_cached_policies(tuple(allowed), stage_layers))
+    """``_policy_tuple`` as a list of each layout's own."""
+    return list(_policy_tuple(tuple(allowed), stage_layers))
 
 
-def _policy_list(allowed: tuple[Recompute, ...], stage_layers: int
-                 ) -> list[tuple[Recompute, int | None]]:
+@lru_cache(maxsize=1024)
+def _policy_tuple(allowed: tuple[Recompute, ...], stage_layers: int
+                  ) -> tuple[tuple[Recompute, int | None], ...]:
     """Recompute policies in order of extra compute: none, selective, full on an eighth,
     a quarter, ... seven eighths of each stage's layers (every k of a stage of 8 layers or
     fewer: Llama 3's 405B layout recomputes k of 8), full on all."""
@@ -360,7 +354,7 @@ def _policy_list(allowed: tuple[Recompute, ...], stage_layers: int
             out.append((policy, None))
         else:
             out.append((policy, None))
-    return out
+    return tuple(out)
 
 
 def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,

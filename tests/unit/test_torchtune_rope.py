@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import memplan
-from memplan.model.attention import torchtune_rope_layer_bytes
+from memplan.model.attention import max_positions_rope_bytes
 from memplan.spec import ModelSpec, load_model
 
 LORA = dict(gpus=1, micro_batch_size=2, seq_len=512, precision="bf16-pure", recompute="full",
@@ -18,7 +18,7 @@ LORA = dict(gpus=1, micro_batch_size=2, seq_len=512, precision="bf16-pure", reco
 def test_one_layer_of_llama_2_7b() -> None:
     """head_dim 128: theta has 64 fp32 frequencies (256 B); cache is (4096, 64, 2) fp32,
     4096 x 64 x 2 x 4 = 2,097,152 B; together 2,097,408 B."""
-    assert torchtune_rope_layer_bytes(load_model("llama-2-7b")) == 2_097_408
+    assert max_positions_rope_bytes(load_model("llama-2-7b")) == 2_097_408
 
 
 def test_traced_toy() -> None:
