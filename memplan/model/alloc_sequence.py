@@ -350,11 +350,12 @@ def _backward(r: _Run, acts: Stack, growing: bool) -> None:
         positions, held = run_positions(dp, held, layer_grads, max(moment_grads), count,
                                         growing, index == len(w.runs) - 1)
         rebuild = s.rebuild[len(w.runs) - 1 - index] if s.rebuild else ()
+        table = moment_table(kind.moments, 0 if growing else dp.fresh_grad)
         for p in positions:
             for _ in range(p.repeat):
                 pos -= 1
-                _layer_backward(r, acts, kind, layers[pos], (layer_grads, moment_grads),
-                                (p, rebuild), growing)
+                _layer_backward(r, acts, (kind.saved_bytes, table), layers[pos],
+                                (layer_grads, moment_grads), (p, rebuild), growing)
     beside, _ = end_moments(dp, held, h.grads, emb.grads, growing, h.tied_grad > 0)
     acts.release(emb.freed_before)
     if growing:
@@ -412,13 +413,24 @@ def _head_backward(r: _Run, acts: Stack, growing: bool) -> None:
     b.free(gathered)
 
 
-def _layer_backward(r: _Run, acts: Stack, kind, layer: LayerTensors,
-                    grad_bytes: tuple[int, tuple[int, ...]], where: tuple,
+def moment_table(moments, fresh_grad: int) -> tuple[tuple[int, int, int], ...]:
+    """A layer kind's backward moments as ``_layer_backward`` reads them, one row each: (its
+    alive bytes, the bytes on top of them at its instant with the weight gradient in flight
+    where gradients are accumulated, ``fresh_grad`` bytes per parameter (0 where they are
+    new), the next moment's alive bytes, 0 after the last)."""
+    alive = [m.alive_bytes for m in moments]
+    return tuple((a, m.transient_bytes + m.fresh_params * fresh_grad, nxt)
+                 for a, m, nxt in zip(alive, moments, [*alive[1:], 0]))
+
+
+def _layer_backward(r: _Run, acts: Stack, kind: tuple[int, tuple[tuple[int, int, int], ...]],
+                    layer: LayerTensors, grad_bytes: tuple[int, tuple[int, ...]], where: tuple,
                     growing: bool) -> None:
     """A layer's backward moments: a fully recomputed layer's rebuilt tensors first; at each
     moment the bytes beyond the saved (or rebuilt) tensors still alive (gradients in flight)
     as stream-sized tensors; the saved tensors freed, last saved first, as the moments' alive
-    bytes fall; its gradients made (last tensor first) as the moments need them."""
+    bytes fall; its gradients made (last tensor first) as the moments need them. ``kind``:
+    the layer kind's saved bytes and its ``moment_table``."""
     b = r.b
     layer_grads, moment_grads = grad_bytes
     p, rebuild = where
@@ -430,26 +442,24 @@ def _layer_backward(r: _Run, acts: Stack, kind, layer: LayerTensors,
     grads = _layer_grads(r, layer.elements, layer_grads) if growing and not unit else []
     gathered = b.alloc(p.beside, r.s.gather_stream)
     made = 0
-    alive = kind.saved_bytes
+    alive, table = kind
     if rebuild:
         acts.push_all(rebuild)
         alive += sum(rebuild)
-    for j, moment in enumerate(kind.moments):
-        while growing and grads and made < moment_grads[j]:
+    blip, release, piece, held = b.blip, acts.release, r.s.piece, r.grads
+    for j, (at, top, nxt) in enumerate(table):
+        while grads and made < moment_grads[j]:
             size = grads.pop()
-            r.grads.append(b.alloc(size))
+            held.append(b.alloc(size))
             made += size
-        # accumulated into existing gradients: the new weight gradient in flight
-        # (``sharding.accumulated_fresh``)
-        fresh = 0 if growing else moment.fresh_params * r.s.walk.sharding.fresh_grad
-        b.blip(max(0, moment.alive_bytes - alive) + moment.transient_bytes + fresh, r.s.piece)
-        nxt = kind.moments[j + 1].alive_bytes if j + 1 < len(kind.moments) else 0
+        blip((at - alive if at > alive else 0) + top, piece)
         if nxt < alive:
-            acts.release(alive - max(nxt, 0))
-            alive = max(nxt, 0)
-    acts.release(alive)
+            nxt = nxt if nxt > 0 else 0
+            release(alive - nxt)
+            alive = nxt
+    release(alive)
     while grads:
-        r.grads.append(b.alloc(grads.pop()))
+        held.append(b.alloc(grads.pop()))
     b.free(gathered)
     if unit:
         _unit_gradients(r, layer_grads, growing)

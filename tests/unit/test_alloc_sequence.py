@@ -419,3 +419,19 @@ def test_stage_replay_equals_the_whole_replay() -> None:
                 seen_oom += lim[2] is not None
                 seen_fit_limited += lim[2] is None
     assert seen_oom and seen_fit_limited  # both kinds of limited replay were compared
+
+
+def test_moment_table_rows_by_hand() -> None:
+    """Three moments of alive 10, 6 and 8 MiB, transient 1, 2 and 0 MiB, with 4, 0 and 2 Mi
+    parameters' weight gradients made at them. Gradients new this backward (``fresh_grad``
+    0): (10, 1, 6), (6, 2, 8), (8, 0, 0) MiB; accumulated in bf16 (2 bytes a parameter, the
+    fresh gradient in flight on top): transients 1 + 8, 2 + 0 and 0 + 4 MiB."""
+    from memplan.model.alloc_sequence import moment_table
+
+    moments = (LayerMoment("a", 10 * MiB, 1 * MiB, ("layer",), fresh_params=4 * MiB),
+               LayerMoment("b", 6 * MiB, 2 * MiB, ("layer",)),
+               LayerMoment("c", 8 * MiB, 0, ("layer",), fresh_params=2 * MiB))
+    assert moment_table(moments, 0) == ((10 * MiB, 1 * MiB, 6 * MiB),
+                                        (6 * MiB, 2 * MiB, 8 * MiB), (8 * MiB, 0, 0))
+    assert moment_table(moments, 2) == ((10 * MiB, 9 * MiB, 6 * MiB),
+                                        (6 * MiB, 2 * MiB, 8 * MiB), (8 * MiB, 4 * MiB, 0))
