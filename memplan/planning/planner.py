@@ -587,19 +587,27 @@ def _policy_workload(wl: Workload, policy: Recompute, layers: object) -> Workloa
     return wl.model_copy(update={"recompute": policy, "recompute_layers": layers})
 
 
-def _with_save_sets(ctx: _Context, fit: _Fit) -> list[_Fit]:
+def _with_save_sets(ctx: _Context, fit: _Fit,
+                    bounds: list[float] | None = None) -> list[_Fit]:
     """A fit of op-level checkpointing (found keeping nothing at its largest micro-batch)
     at that micro-batch and at each smaller one that splits the batch (halving it), each with
     its save set of least recompute that fits (``_with_save_set``); ``_ranked`` keeps the
-    fastest of a layout's."""
+    fastest of a layout's. ``bounds``: the least step seconds at each of those micro-batches
+    (every item kept): one whose bound is above the time a larger micro-batch took is not
+    searched (``_ranked`` would not keep it)."""
     if fit.policy[0] is not Recompute.OPS:
         return [fit]
     sizes = _ops_sizes(ctx, fit)
     out: list[_Fit] = []
     known = 0  # a smaller micro-batch fits at least the larger one's set
-    for b in sizes:
+    fastest = float("inf")
+    for k, b in enumerate(sizes):
+        if bounds is not None and bounds[k] > fastest:
+            continue
         out.append(_with_save_set(ctx, replace(fit, mbs=b), known))
         known = max(known, _set_index(ctx, out[-1]))
+        if bounds is not None:
+            fastest = min(fastest, float(_times(ctx, out[-1:]).step_s[0]))
     return out
 
 
@@ -634,17 +642,20 @@ def _with_all_save_sets(ctx: _Context, fits: list[_Fit], top: int | None,
     bounds, at = [], 0
     for f in ops:
         n = len(_ops_sizes(ctx, f))
-        bounds.append(float(step[at:at + n].min()))
+        bounds.append([float(t) for t in step[at:at + n]])
         at += n
     best = sorted(float(t) for t in _times(ctx, plain).step_s) if plain else []
     out = list(plain)
-    for n, (bound, f) in enumerate(sorted(zip(bounds, ops), key=lambda x: x[0])):
+    for n, (each, f) in enumerate(sorted(zip(bounds, ops), key=lambda x: min(x[0]))):
+        bound = min(each)
         if len(best) >= top and bound >= best[top - 1] and bound > keep:
             rejected[SLOWER_THAN_TOP.format(top=shown or top)] += len(ops) - n
             return out, bound
-        found = _with_save_sets(ctx, f)
+        found = _with_save_sets(ctx, f, each)
         out += found
-        best = sorted(best + [float(t) for t in _times(ctx, found).step_s])
+        # the ranking keeps a layout's fastest micro-batch only (``_ranked``): one time a fit
+        if found:
+            best = sorted(best + [float(_times(ctx, found).step_s.min())])
     return out, float("inf")
 
 
@@ -689,6 +700,8 @@ def _with_save_set(ctx: _Context, fit: _Fit, known: int = 0) -> _Fit:
     choice, _ = choose(sets, fits, known, forward)
     if choice is None:
         return fit
+    if choice.kept not in peaks:  # ``known`` taken unasked: its peak at this micro-batch
+        fits(choice.kept)
     return replace(fit, policy=(Recompute.OPS, choice.kept),  # type: ignore[arg-type]
                    peak_bytes=peaks[choice.kept])
 
@@ -714,6 +727,9 @@ def _with_stage_sets(ctx: _Context, fit: _Fit, sets: tuple, known: int,
     ctx.evaluated += asked
     if any(c is None for c in chosen):
         return fit
+    for c in {c.kept for c in chosen} - set(peaks):  # ``known`` taken unasked
+        at(c)  # type: ignore[arg-type]
+        ctx.evaluated += 1
     kept = stage_lists([c.kept for c in chosen])  # type: ignore[union-attr]
     return replace(fit, policy=(Recompute.OPS, kept),  # type: ignore[arg-type]
                    peak_bytes=max(peaks[c.kept][i]  # type: ignore[union-attr]

@@ -160,6 +160,41 @@ def test_plan_auto_ranks_save_sets_per_layout() -> None:
         assert c.estimate.workload.recompute_save == tuple(sorted(c.recompute_save))
 
 
+@pytest.mark.parametrize("model,gpus", [("tiny", 8), ("gpt2", 4)])
+def test_plan_auto_top_ten_are_the_full_search_first_ten(model: str, gpus: int) -> None:
+    """plan --recompute auto with --top 10 gives the full search's first ten candidates, and
+    ten of them: the search keeps a layout's fastest micro-batch only (``_ranked``), so its
+    pruning compares one time a layout (searched before: every micro-batch's time counted,
+    2 candidates of tiny's 24 and of gpt2's 64 given, the rest cut as slower than a top ten
+    of duplicates)."""
+    from memplan.api import plan
+
+    top = plan(model, gpus=gpus, top=10, recompute=["auto"], reserved=False)
+    full = plan(model, gpus=gpus, top=None, recompute=["auto"], reserved=False)
+    assert len(top.candidates) == 10 and len(full.candidates) > 10
+
+    def key(c):
+        return c.layout, c.micro_batch_size, tuple(c.recompute_save), c.time.step_s
+
+    assert [key(c) for c in top.candidates] == [key(c) for c in full.candidates[:10]]
+    assert top.evaluated < full.evaluated
+
+
+def test_plan_auto_pipeline_set_known_from_a_larger_micro_batch() -> None:
+    """Under pipeline parallelism a smaller micro-batch starts from the set a larger one
+    fitted (``known``), which the stages' bisection may take without asking it again: its
+    peak is evaluated then (before: a KeyError on llama-7b, tp 2, pp 4, dp 1, gbs 64, at
+    micro-batch 16, where 32's set was known). Every candidate's peak is its estimate's and
+    within the budget."""
+    from memplan.api import plan
+
+    result = plan("llama-7b", gpus=8, tp=2, pp=4, zero=0, top=None, recompute=["auto"],
+                  reserved=False, seq_len=2048, global_batch_size=64)
+    assert result.candidates
+    for c in result.candidates:
+        assert c.peak_bytes == c.estimate.peak_bytes <= result.budget_bytes
+
+
 def _emitted(target: str, save: str) -> str:
     from memplan.report.sac_policy import emit_for
 
