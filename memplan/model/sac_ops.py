@@ -49,7 +49,8 @@ Olmo2DecoderLayer.forward, the mixers reading the residual stream) count each po
 after its mixer's; so GLM-4's (models/glm4/modeling_glm4.py Glm4DecoderLayer.forward:
 post_self_attn_layernorm and post_mlp_layernorm, Llama's upcast Glm4RMSNorm, named by their
 ops below fp32 as the pre norms are: ``_post_norms_modelled``); there the post norm saves
-(an fp32 copy of) the down projection's output, so the rerun reaches the down projection: an item, ``mlp.down``, whose kept output skips it.
+(an fp32 copy of) the down projection's output, so the rerun reaches the down projection:
+an item, ``mlp.down``, whose kept output skips it.
 A kept output projection's or down projection's output is its post norm's input, which that
 norm's moments hold anyway (``input_held``). OLMo 2's q/k norms over the whole projection
 (Olmo2Attention.forward: ``q_norm(q_proj(x))``, then k's) are counted like Qwen3's.
