@@ -172,6 +172,10 @@ def grouped_kept_moments(spec: ModelSpec, dm: Dims,
               if moe.num_shared_experts and not moe.shared_experts_last else set())
     # an fp32 router's input and weight copies, freed once its logits exist (_routing_bytes)
     router = {"moe.router", "moe.router_input_fp32", "moe.router_weight_fp32"}
+    if moe.router_topk_softmax and moe.router_weights_cast and dm.e < FP32_BYTES:
+        # the fp32 softmax of the top-k, a temporary once ``.type_as`` cast it
+        # (``_routing_bytes``): kept, it is alive at both moments beyond them
+        router.add("moe.topk_weights")
     freed = {"moe.expert.gate_up", "moe.expert.act"} | (
         {"moe.expert.prod"} if impl is MoeImpl.GROUPED else set())
     return [(gate, frozenset(router | shared)), (unsort, frozenset(router | freed | shared))]

@@ -25,7 +25,8 @@ def moe_items(spec: ModelSpec, dm: Dims, terms: dict[str, int],
     execution order, each op's index counted after ``seen`` (``sac_ops.counts`` of the
     layer's ops before it) and after the block's own ops a policy also counts
     (``moe_policy_ops``): the router's projection
-    (saved by no one: kept, it skips its rerun), its fp32 softmax (``moe.router_probs``),
+    (saved by no one: kept, it skips its rerun), its fp32 softmax (``moe.router_probs``; a
+    top-k softmax router's softmax of the k kept, ``moe.topk_weights``: ``_router_ops``),
     the routed rows sorted by expert (``moe.dispatched``: the block's first gather of width h
     as transformers 5.23 writes it, its second as 5.3 did, ``_dispatch_ops``), the
     experts' grouped gate/up projection (``moe.expert.gate``, ``.up``: one tensor), their
@@ -116,11 +117,14 @@ def _router_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int]
     ``route_tokens_to_experts``): ``F.linear`` on fp32 copies of the input and the weight
     (``moe.router_input_fp32``, ``moe.router_weight_fp32``, saved by it; casts of width h,
     no ops in fp32), its fp32 logits (``moe.router``) and their sigmoid
-    (``moe.router_probs``); the group-limited top-k after it runs no op a policy counts."""
+    (``moe.router_probs``); the group-limited top-k after it runs no op a policy counts.
+    Granite's, softmaxing its top-k logits alone: ``_topk_softmax_ops``."""
     moe = spec.moe
     assert moe is not None
     h, e, E = spec.hidden_size, dm.e, moe.num_experts
     low = e < FP32_BYTES
+    if moe.router_topk_softmax:
+        return _topk_softmax_ops(moe, h, dm, term)
     if not sigmoid_router(moe):
         return ([("moe.router", MATMUL, E, (), dm.tokens * E * e, 2.0 * h * E, True)]
                 + [("", COPY, E, (), 0, 0.0, False)] * low  # router_logits.float()
@@ -136,6 +140,29 @@ def _router_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int]
         ("moe.router", MATMUL, E, (), dm.tokens * E * FP32_BYTES, 2.0 * h * E, True),
         ("moe.router_probs", ACTIVATION, E, ("moe.router_probs",), term("moe.router_probs"),
          float(E), False)]
+
+
+def _topk_softmax_ops(moe: MoESpec, h: int, dm: Dims, term: Callable[..., int]
+                      ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
+    """A router that softmaxes its top-k logits alone (``MoESpec.router_topk_softmax``),
+    as transformers 5.23 writes Granite's (models/granitemoe/modeling_granitemoe.py
+    GraniteMoeTopKRouter.forward: ``F.linear(x, w).float()``, ``topk``, ``softmax`` of the
+    k kept, ``.type_as(x)``; ``router_logits_fp32``, ``router_weights_cast``), in execution
+    order (``_moe_ops``' tuples): its projection (``aten.mm``, E wide in the compute dtype,
+    saved by no one: kept, it skips its rerun), below fp32 the logits' cast to fp32 (width
+    E; the fp32 logits GraniteMoeMoE.forward holds to its end, saved by no one), ``topk``
+    (no op a policy counts; its indices, ``moe.topk_indices``, are saved by its backward),
+    the softmax of the k kept (``aten._softmax``, width k: ``moe.topk_weights``, saved by
+    itself, fp32 after the cast), and below fp32 its cast to the block's dtype (width k,
+    the weights the experts read). One FLOP a softmax element. Kept below fp32, the
+    softmax's output adds to the checkpointed block's working set, where ``.type_as`` made
+    it a temporary (``memplan.model.moe.grouped_kept_moments``)."""
+    E, k, low = moe.num_experts, moe.top_k, dm.e < FP32_BYTES
+    return ([("moe.router", MATMUL, E, (), dm.tokens * E * dm.e, 2.0 * h * E, True)]
+            + [("", COPY, E, (), 0, 0.0, False)] * (low and moe.router_logits_fp32)
+            + [("moe.topk_weights", SOFTMAX, k, ("moe.topk_weights",),
+                term("moe.topk_weights"), float(k), False)]
+            + [("", COPY, k, (), 0, 0.0, False)] * (low and moe.router_weights_cast))
 
 
 def sigmoid_router(moe: MoESpec) -> bool:

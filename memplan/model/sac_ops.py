@@ -46,8 +46,11 @@ torch.compile: ``ops_refusal`` names the rest. Dense layers with sandwich norms 
 models/gemma2/modeling_gemma2.py Gemma2DecoderLayer.forward, a norm on each mixer's output
 before the residual add) or post norms alone (OLMo 2: models/olmo2/modeling_olmo2.py
 Olmo2DecoderLayer.forward, the mixers reading the residual stream) count each post norm's ops
-after its mixer's; there the post norm saves (an fp32 copy of) the down projection's output,
-so the rerun reaches the down projection: an item, ``mlp.down``, whose kept output skips it.
+after its mixer's; so GLM-4's (models/glm4/modeling_glm4.py Glm4DecoderLayer.forward:
+post_self_attn_layernorm and post_mlp_layernorm, Llama's upcast Glm4RMSNorm, named by their
+ops below fp32 as the pre norms are: ``_post_norms_modelled``); there the post norm saves
+(an fp32 copy of) the down projection's output, so the rerun reaches the down projection:
+an item, ``mlp.down``, whose kept output skips it.
 A kept output projection's or down projection's output is its post norm's input, which that
 norm's moments hold anyway (``input_held``). OLMo 2's q/k norms over the whole projection
 (Olmo2Attention.forward: ``q_norm(q_proj(x))``, then k's) are counted like Qwen3's.
@@ -151,12 +154,11 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (spec.mamba is not None, "Mamba layers"),
         (spec.norm_placement.post_norm and spec.moe is not None,
          f"{spec.norm_placement.value} norms around MoE blocks"),
-        (spec.norm_placement.post_norm and not (
-            spec.norm is NormKind.RMSNORM and spec.norm_scale_fp32
-            and wl.norm_impl is NormImpl.UPCAST_FP32),
+        (spec.norm_placement.post_norm and not _post_norms_modelled(spec, wl),
          (f"{spec.norm_placement.value} norms of norm_impl {wl.norm_impl.value} (modelled "
-          "as transformers runs Gemma's and OLMo 2's RMSNorms: norm_impl upcast-fp32, the "
-          "weight scaling the fp32 tensor)")),
+          "as transformers runs Gemma's and OLMo 2's RMSNorms, norm_impl upcast-fp32, the "
+          "weight scaling the fp32 tensor, and GLM-4's, norm_impl upcast, the weight scaling "
+          "the tensor cast back)")),
         (spec.qk_norm is QkNorm.L2 and wl.norm_impl is not NormImpl.UPCAST,
          (f"l2 q/k norms of norm_impl {wl.norm_impl.value} (modelled as Llama 4's "
           "Llama4TextL2Norm runs them, upcast)")),
@@ -178,6 +180,23 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          f"the {spec.activation_impl.value} activation's saved tensors"),
     )
     return next((why for cond, why in checks if cond), None)
+
+
+def _post_norms_modelled(spec: ModelSpec, wl: Workload) -> bool:
+    """Whether a layer's post norms (``NormPlacement.post_norm``) run as ``_norm_ops`` counts
+    them: RMSNorms upcast to fp32 whose weight scales the fp32 tensor (``norm_scale_fp32``
+    under ``NormImpl.UPCAST_FP32``: Gemma2RMSNorm.forward, Olmo2RMSNorm.forward), or the
+    tensor cast back to the input's dtype (``NormImpl.UPCAST`` without ``norm_scale_fp32``:
+    models/glm4/modeling_glm4.py Glm4RMSNorm.forward, ``self.weight * hidden_states.to(
+    input_dtype)``, Llama's norm; Glm4DecoderLayer.forward runs input_layernorm, the
+    attention, post_self_attn_layernorm, the residual add, post_attention_layernorm (the
+    MLP's pre norm), the MLP, post_mlp_layernorm: memplan's attn_norm, attn_post_norm,
+    mlp_norm and mlp_post_norm; transformers 5.3)."""
+    if spec.norm is not NormKind.RMSNORM:
+        return False
+    if wl.norm_impl is NormImpl.UPCAST_FP32:
+        return spec.norm_scale_fp32
+    return wl.norm_impl is NormImpl.UPCAST and not spec.norm_scale_fp32
 
 
 def kept_refusal(kept: tuple[Item, ...], dm: Dims) -> str | None:
@@ -207,7 +226,9 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why an MoE layer's ops cannot be kept or named one by one, or None: modelled for
     transformers' grouped experts (``MoeImpl.GROUPED``, integrations/moe.py
     ``grouped_mm_experts_forward``: a fixed count of ops per layer whatever the routing) of
-    gated, stacked, bias-free experts behind a softmax router (Mixtral's)."""
+    gated, stacked, bias-free experts behind a softmax router (Mixtral's), DeepSeek-V3's
+    sigmoid router or a top-k softmax router (Granite's: ``memplan.model.sac_moe.
+    _topk_softmax_ops``)."""
     moe = spec.moe
     assert moe is not None
     checks = (
@@ -220,7 +241,6 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          "transformers' grouped experts, moe_impl grouped)"),
         (moe.router_fp32 and not moe.shared_experts_last,
          "an fp32 softmax router (Hunyuan's; DeepSeek-V3's sigmoid router is modelled)"),
-        (moe.router_topk_softmax, "a top-k softmax router"),
         (moe.clamped_swiglu or spec.mlp_bias, "expert biases"),
         (not spec.mlp.gated, "ungated experts"),
         (moe.expert_ffn_hidden_size in (spec.hidden_size, spec.head_dim),

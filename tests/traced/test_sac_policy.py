@@ -1037,3 +1037,99 @@ def test_emitted_policy_on_softcapped_and_windowed_eager(model: str, precision: 
                                                         save: str) -> None:
     pytest.importorskip("transformers")
     _assert_eager(hf(model, **SOFTCAP_TOY[model]), model, precision, seq, save)
+
+
+# GLM-4 (models/glm4/modeling_glm4.py, transformers 5.3: Glm4DecoderLayer.forward runs
+# input_layernorm, the attention, post_self_attn_layernorm, the residual add,
+# post_attention_layernorm, the MLP, post_mlp_layernorm, the residual add; Glm4RMSNorm.forward
+# is Llama's upcast norm, ``self.weight * hidden_states.to(input_dtype)``: norm_impl upcast),
+# GLM-4-9B-0414's config narrowed (2 layers, h 256, 8 / 2 heads of 32 with half of each
+# rotated, f 768 behind one fused gate/up projection, q/k/v biases) with a 64-token vocabulary
+# at 2 x 1,024 tokens: the sandwich norms' ops named as the pre norms' are (their casts, rsqrt
+# and products: memplan.model.sac_ops._norm_ops; the post norms' output, the residual add's
+# input, saved by no one), the post MLP norm's fp32 copy of the down projection's output
+# making the rerun reach it (mlp.down, an item). Before, refused ("sandwich norms of norm_impl
+# upcast"). Measured: saved activations exact in every case, every phase within 0.09% (full
+# recompute's own gaps: the optimizer step's 16 KiB, the backward's 24,000 B)
+GLM4_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=768,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=64,
+                pad_token_id=None)
+GLM4_GRID = [("bf16-pure", ""), ("bf16-pure", "attention"), ("bf16-pure", "mlp"),
+             ("bf16-pure", ATTN_LIST), ("bf16-pure", "norms,attn.q"),
+             ("bf16-pure", "attn_post_norm.stats,mlp_post_norm.input_fp32,"
+                           "mlp_post_norm.normed,mlp.gate_up"),
+             ("bf16-pure", "auto"), ("fp32", "attention"), ("fp32", "mlp"),
+             ("amp-bf16", "attention"), ("amp-bf16", "mlp")]
+
+
+@pytest.mark.parametrize(("precision", "save"), GLM4_GRID,
+                         ids=[f"{p}-{s or 'input'}" for p, s in GLM4_GRID])
+def test_emitted_policy_on_transformers_glm4(precision: str, save: str) -> None:
+    pytest.importorskip("transformers")
+    config = hf("heldout/GLM-4-9B-0414", **GLM4_TOY)
+    result = compare_framework(_ops_case(config, "glm4-toy", precision, 1024, save))
+    assert result.spec.norm_placement.value == "sandwich"
+    assert result.workload.norm_impl.value == "upcast"
+    _assert_rows_within(result.rows)
+    row = result.row("activations_bytes")
+    assert row.estimated_bytes == row.measured_bytes, row
+
+
+# Granite's MoE (granite-3.1-1b-a400m-instruct's config narrowed as test_hf_heldout.py's
+# granitemoe toy: 2 layers, h 128, 4 / 2 heads of 32, 4 experts of 256, 2 routed a token) with a
+# 64-token vocabulary at 2 x 256 tokens, as transformers 5.23 writes its block (the hf preset's
+# moe_impl grouped): GraniteMoeTopKRouter.forward's projection, the fp32 logits' cast, the
+# softmax of the top-k (moe.topk_weights, fp32) and its cast to the block's dtype, named by
+# their ops (memplan.model.sac_moe._topk_softmax_ops), beside the grouped experts' items. On
+# transformers 5.3 (GraniteMoeParallelExperts) the block is 5.23's router over the installed
+# grouped experts (tests/traced/granite_moe_523.py; moe_impl grouped-token). Before, refused
+# ("MoE layers with a top-k softmax router"). Measured on 5.3: saved activations exact in every
+# case, every phase within 0.43% (full recompute's own backward gap, +34,672 B in bf16);
+# without recompute within 0.06%. autocast around MoE layers is refused as a whole.
+GRANITE_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=64,
+                   num_local_experts=4, num_experts_per_tok=2)
+GRANITE_GRID = [("bf16-pure", ""), ("bf16-pure", "attention"), ("bf16-pure", "mlp"),
+                ("bf16-pure", "moe.topk_weights"),
+                ("bf16-pure", "moe.topk_weights,moe.expert.act,attn.q"),
+                ("bf16-pure", "norms,moe.topk_weights,moe.dispatched"),
+                ("bf16-pure", "auto"), ("fp32", "mlp"),
+                ("fp32", "moe.topk_weights,moe.router,attention")]
+
+
+@pytest.mark.parametrize(("precision", "save"), GRANITE_GRID,
+                         ids=[f"{p}-{s or 'input'}" for p, s in GRANITE_GRID])
+def test_emitted_policy_on_transformers_granite_moe(precision: str, save: str,
+                                                    monkeypatch) -> None:
+    pytest.importorskip("transformers")
+    import granite_moe_523  # noqa: PLC0415 (tests/traced)
+
+    if granite_moe_523.runs_parallel_experts():
+        granite_moe_523.install(monkeypatch)
+    config = hf("heldout/granite-3.1-1b-a400m-instruct", **GRANITE_TOY)
+    if save == "auto":
+        # the installed experts' gathers (memplan.profile.frameworks._grouped_gather)
+        from memplan.profile.frameworks import gathers_by_token
+
+        impl = "grouped-token" if gathers_by_token() else "grouped"
+        save = _granite_auto(config, precision, impl)
+    result = compare_framework(_ops_case(config, "granitemoe-toy", precision, 256, save))
+    assert result.spec.moe.router_topk_softmax
+    _assert_rows_within(result.rows)
+    row = result.row("activations_bytes")
+    assert row.estimated_bytes == row.measured_bytes, row
+
+
+def _granite_auto(config: dict, precision: str, impl: str) -> str:
+    """``_midway_list`` at 2 x 256 tokens for the installed experts' gathers (``impl``)."""
+    from memplan.api import estimate
+    from memplan.spec import spec_from_hf_dict
+
+    spec = spec_from_hf_dict(config, "config.json", "granitemoe-toy")
+    kw = dict(framework="hf", precision=precision, micro_batch_size=2, seq_len=256,
+              moe_impl=impl)
+    full = estimate(spec, recompute="full", **kw).peak_bytes
+    none = estimate(spec, recompute="none", **kw).peak_bytes
+    est = estimate(spec, recompute="auto", gpu_memory=(full + none) // 2, **kw)
+    assert est.fits and est.workload.recompute_save
+    return ",".join(est.workload.recompute_save)

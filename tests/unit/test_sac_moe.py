@@ -329,3 +329,67 @@ def test_kept_shared_outputs_are_alive_at_the_rerun_unsort(precision: str, added
 
     none, kept = moments(()), moments(("moe.shared.gate", "moe.shared.up"))
     assert {n: kept[n] - none[n] for n in none if kept[n] != none[n]} == {"moe_rerun": added}
+
+
+GRANITE = TINY_MOE.model_copy(update={"name": "tiny-granite", "fused_gate_up": True,
+                                      "moe": TINY_MOE.moe.model_copy(update={
+                                          "router_topk_softmax": True,
+                                          "router_logits_fp32": True,
+                                          "router_weights_cast": True})})
+
+
+@pytest.mark.parametrize(("precision", "router", "casts", "peak_added"), [
+    ("bf16-pure", 2_048, {("copy", 4): 1, ("copy", 2): 1}, 2_048),
+    ("fp32", 4_096, {}, 0)])
+def test_topk_softmax_router_items_by_hand(precision: str, router: int, casts: dict,
+                                           peak_added: int) -> None:
+    """Granite's router as transformers 5.23 writes it (GraniteMoeTopKRouter.forward:
+    ``F.linear(x, w).float()``, ``topk``, the softmax of the k kept, ``.type_as(x)``) in
+    tiny-granite (tiny-moe with its fused gate/up and Granite's router flags): its projection's
+    logits T*E*e (bf16: 256*4*2 = 2,048 B; fp32: 4,096 B), 2*h*E = 512 FLOPs a token, an mm of
+    width E = 4; the softmax of the top-k, saved by itself in fp32 (the logits were cast to
+    it): R*4 = 512*4 = 2,048 B, k = 2 FLOPs a token, an ``aten._softmax`` of width k = 2 (the
+    layer's only one), where Mixtral's softmaxes every expert (T*E*4 = 4,096 B, width E).
+    In bf16 the policy counts the logits' cast to fp32 (``_to_copy``, width E = 4) and the
+    weights' cast back (width k = 2); in fp32 neither is an op. Kept, the softmax adds its
+    2,048 B per layer (2 layers: 4,096 B beyond full recompute; with the router's logits,
+    2 * (2,048 + 2,048) = 8,192 in bf16, 2 * (4,096 + 2,048) = 12,288 in fp32); to the
+    layer's forward peak in bf16 its 2,048 B (the checkpointed block had freed it once
+    ``.type_as`` cast it), in fp32 nothing (it is the weights the experts read, bound to the
+    block's end)."""
+    from memplan.model.layer import layer_kind
+    from memplan.workload import Recompute
+
+    fields = dict(precision=precision)
+    router_items = {i.name: (i.size_bytes, i.flops_per_token, i.op, i.width, i.nth)
+                    for i in _items(GRANITE, **fields) if i.name.startswith("moe.router")
+                    or i.name == "moe.topk_weights"}
+    assert router_items == {"moe.router": (router, 512.0, "matmul", 4, 0),
+                            "moe.topk_weights": (2_048, 2.0, "softmax", 2, 0)}
+    counts = _policy_ops(GRANITE, "grouped", precision)
+    assert {k: v for k, v in counts.items() if k in (("copy", 4), ("copy", 2))} == casts
+    assert counts[("softmax", 2)] == 1 and ("softmax", 4) not in counts
+    full = estimate(GRANITE, **FIELDS, **fields, recompute="full").stages[0].activations_bytes
+
+    def saved(save: str) -> int:
+        return estimate(GRANITE, **FIELDS, **fields, recompute="ops",
+                        recompute_save=save).stages[0].activations_bytes - full
+
+    assert saved("moe.topk_weights") == 2 * 2_048
+    assert saved("moe.topk_weights,moe.router") == 2 * (router + 2_048)
+    wl = make_workload(GRANITE, **FIELDS, **fields, recompute="ops")
+    dm = Dims.of(GRANITE, make_layout(1), wl)
+
+    def peak(save: str) -> int:
+        swl = wl.model_copy(update={"recompute_save": tuple(save.split(",")) if save else ()})
+        return layer_kind(GRANITE, swl, dm, True, Recompute.OPS).forward_peak_bytes
+
+    assert peak("moe.topk_weights") - peak("") == peak_added
+
+
+def test_topk_softmax_router_with_expert_biases_still_refused() -> None:
+    """GPT-OSS's block (a top-k softmax router in the logits' dtype, biased experts with a
+    clamped SwiGLU) stays refused, for its experts' biases."""
+    with pytest.raises(MemplanError, match="MoE layers with expert biases"):
+        estimate("gpt-oss-20b", seq_len=128, micro_batch_size=1, framework="hf",
+                 recompute="ops")

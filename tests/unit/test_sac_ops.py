@@ -334,11 +334,59 @@ def test_sandwich_norms_make_the_down_projection_an_item() -> None:
 
 def test_post_norms_refused_where_not_traced() -> None:
     """Post norms are modelled as transformers runs Gemma's and OLMo 2's RMSNorms
-    (upcast-fp32); another norm implementation after the mixers is refused in one line."""
+    (upcast-fp32) and GLM-4's (upcast); another norm implementation after the mixers is
+    refused in one line: a fused norm, or an RMSNorm scaling its fp32 tensor run as Llama's
+    upcast."""
     from memplan.spec import ModelSpec
 
     spec = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-post",
                                      "norm_placement": "post"})
     with pytest.raises(MemplanError, match="recompute ops with post norms of norm_impl "
-                                           "upcast"):
-        estimate(spec, **TINY, recompute="ops")
+                                           "fused"):
+        estimate(spec, **TINY, recompute="ops", norm_impl="fused")
+    scaled = spec.model_copy(update={"norm_scale_fp32": True})
+    with pytest.raises(MemplanError, match="recompute ops with post norms of norm_impl "
+                                           "upcast "):
+        estimate(scaled, **TINY, recompute="ops", norm_impl="upcast")
+
+
+def test_glm4_sandwich_norms_named_by_their_ops() -> None:
+    """tiny with GLM-4's four norms (``NormPlacement.SANDWICH``; Glm4RMSNorm.forward, Llama's
+    upcast norm: ``weight * x.to(float32) * rsqrt(...)).to(input_dtype)``, norm_impl upcast).
+    In bf16 each post norm's ops are the pre norms': ``x.to(float32)`` (``input_fp32``, T*h*4
+    = 256*64*4 = 65,536 B), ``rsqrt`` (``stats``, T*4 = 1,024 B), ``x * rstd`` (unkept), the
+    cast back (``normed``, T*h*e = 32,768 B) and ``weight * normed`` (the residual add's
+    input, saved by no one: no item), in execution order among the layer's casts of width h
+    (attn_norm's 2, then attn_post_norm's the 3rd and 4th, mlp_norm's the 5th and 6th,
+    mlp_post_norm's the 7th and 8th) and rsqrts (the 2nd and 4th); 8 casts, 4 rsqrts and 8
+    products of width h a layer. Kept, attn_post_norm's stats and mlp_post_norm's normed add
+    2 * (1,024 + 32,768) = 67,584 B over 2 layers beyond full recompute. In fp32 the casts
+    are no ops: the norms' tensors are named by no op (a ``norm`` item each), and the
+    layer's items have no cast or product of width h to count."""
+    from memplan.model.layer import ops_unkept
+    from memplan.report.sac_policy import _counts
+    from memplan.spec import ModelSpec
+
+    spec = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-glm4",
+                                     "norm_placement": "sandwich"})
+    kw = dict(**TINY, norm_impl="upcast")
+    wl = make_workload(spec, **kw, recompute="ops")
+    dm = Dims.of(spec, make_layout(1), wl)
+    items = ops_items(spec, wl, dm)
+    post = {i.name: (i.size_bytes, i.op, i.width, i.nth) for i in items
+            if "_post_norm." in i.name}
+    assert post == {"attn_post_norm.input_fp32": (65_536, "copy", 64, 2),
+                    "attn_post_norm.stats": (1_024, "rsqrt", 1, 1),
+                    "attn_post_norm.normed": (32_768, "copy", 64, 3),
+                    "mlp_post_norm.input_fp32": (65_536, "copy", 64, 6),
+                    "mlp_post_norm.stats": (1_024, "rsqrt", 1, 3),
+                    "mlp_post_norm.normed": (32_768, "copy", 64, 7)}
+    counts = _counts(items, ops_unkept(spec, wl, dm))
+    assert (counts[("copy", 64)], counts[("rsqrt", 1)], counts[("mul", 64)]) == (8, 4, 8)
+    full = estimate(spec, recompute="full", **kw).stages[0].activations_bytes
+    kept = estimate(spec, recompute="ops", **kw,
+                    recompute_save="attn_post_norm.stats,mlp_post_norm.normed")
+    assert kept.stages[0].activations_bytes - full == 67_584
+    wl32 = make_workload(spec, **kw, precision="fp32", recompute="ops")
+    items32 = ops_items(spec, wl32, Dims.of(spec, make_layout(1), wl32))
+    assert {i.op for i in items32 if "norm." in i.name} == {"norm"}
