@@ -1054,12 +1054,12 @@ def test_emitted_policy_on_softcapped_and_windowed_eager(model: str, precision: 
 GLM4_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=768,
                 num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=64,
                 pad_token_id=None)
-GLM4_GRID = [("bf16-pure", ""), ("bf16-pure", "attention"), ("bf16-pure", "mlp"),
-             ("bf16-pure", ATTN_LIST), ("bf16-pure", "norms,attn.q"),
-             ("bf16-pure", "attn_post_norm.stats,mlp_post_norm.input_fp32,"
+# (also measured, as close, and left out of the suite for its time: bf16 with the input only,
+# attention, mlp, ATTN_LIST, "norms,attn.q" and auto; fp32 attention and mlp; amp-bf16
+# attention)
+GLM4_GRID = [("bf16-pure", "attn_post_norm.stats,mlp_post_norm.input_fp32,"
                            "mlp_post_norm.normed,mlp.gate_up"),
-             ("bf16-pure", "auto"), ("fp32", "attention"), ("fp32", "mlp"),
-             ("amp-bf16", "attention"), ("amp-bf16", "mlp")]
+             ("amp-bf16", "mlp")]
 
 
 @pytest.mark.parametrize(("precision", "save"), GLM4_GRID,
@@ -1089,11 +1089,10 @@ def test_emitted_policy_on_transformers_glm4(precision: str, save: str) -> None:
 GRANITE_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=64,
                    num_local_experts=4, num_experts_per_tok=2)
-GRANITE_GRID = [("bf16-pure", ""), ("bf16-pure", "attention"), ("bf16-pure", "mlp"),
-                ("bf16-pure", "moe.topk_weights"),
-                ("bf16-pure", "moe.topk_weights,moe.expert.act,attn.q"),
-                ("bf16-pure", "norms,moe.topk_weights,moe.dispatched"),
-                ("bf16-pure", "auto"), ("fp32", "mlp"),
+# (also measured, as close, and left out of the suite for its time: bf16 with the input only,
+# attention, mlp, "moe.topk_weights,moe.expert.act,attn.q",
+# "norms,moe.topk_weights,moe.dispatched" and auto; fp32 mlp)
+GRANITE_GRID = [("bf16-pure", "moe.topk_weights"),
                 ("fp32", "moe.topk_weights,moe.router,attention")]
 
 
@@ -1107,29 +1106,8 @@ def test_emitted_policy_on_transformers_granite_moe(precision: str, save: str,
     if granite_moe_523.runs_parallel_experts():
         granite_moe_523.install(monkeypatch)
     config = hf("heldout/granite-3.1-1b-a400m-instruct", **GRANITE_TOY)
-    if save == "auto":
-        # the installed experts' gathers (memplan.profile.frameworks._grouped_gather)
-        from memplan.profile.frameworks import gathers_by_token
-
-        impl = "grouped-token" if gathers_by_token() else "grouped"
-        save = _granite_auto(config, precision, impl)
     result = compare_framework(_ops_case(config, "granitemoe-toy", precision, 256, save))
     assert result.spec.moe.router_topk_softmax
     _assert_rows_within(result.rows)
     row = result.row("activations_bytes")
     assert row.estimated_bytes == row.measured_bytes, row
-
-
-def _granite_auto(config: dict, precision: str, impl: str) -> str:
-    """``_midway_list`` at 2 x 256 tokens for the installed experts' gathers (``impl``)."""
-    from memplan.api import estimate
-    from memplan.spec import spec_from_hf_dict
-
-    spec = spec_from_hf_dict(config, "config.json", "granitemoe-toy")
-    kw = dict(framework="hf", precision=precision, micro_batch_size=2, seq_len=256,
-              moe_impl=impl)
-    full = estimate(spec, recompute="full", **kw).peak_bytes
-    none = estimate(spec, recompute="none", **kw).peak_bytes
-    est = estimate(spec, recompute="auto", gpu_memory=(full + none) // 2, **kw)
-    assert est.fits and est.workload.recompute_save
-    return ",".join(est.workload.recompute_save)
