@@ -14,7 +14,7 @@ from memplan.model.block import BackwardMoment, Moment
 from memplan.model.norm import output_kept
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split, local_widths
-from memplan.spec import ActivationImpl, MlpKind, ModelSpec, activation_params
+from memplan.spec import ActivationImpl, MlpKind, ModelSpec, NormPlacement, activation_params
 from memplan.workload import MlpImpl, Recompute, TeFp8Recipe, Workload
 
 
@@ -555,7 +555,9 @@ class Mlp:
         if compiled.swiglu_backward(spec, dm, recompute):  # Inductor's schedule
             return compiled.swiglu_moments(
                 wl, dm, total(terms), inner, 2 * rows_h_e, fresh,
-                linear.saved_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm))
+                linear.saved_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm),
+                compiled.rerun_whole_mlp(spec, dm),
+                rows_h_e if spec.norm_placement is NormPlacement.POST else 0)
         # a plain MLP has one input projection: nothing to sum
         moments = backward_moments(
             spec, dm, saved=total(terms),

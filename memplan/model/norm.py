@@ -245,9 +245,10 @@ class Norm:
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:
+        inside = (compiled.post_norm_backward_bytes(spec, dm)
+                  if dm.compiled and is_post(self.name) else backward_bytes(spec, wl, dm))
         return [BackwardMoment(self.name, saved_at_backward(norm_terms(self.name, spec, wl, dm,
-                                                                       self.copies)),
-                               backward_bytes(spec, wl, dm))]
+                                                                       self.copies)), inside)]
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         return []
