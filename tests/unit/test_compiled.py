@@ -14,7 +14,7 @@ from memplan.errors import LayoutError
 from memplan.model.dims import Dims, total
 from memplan.model.layer import layer_kind, layer_terms
 from memplan.parallel import ParallelConfig, validate
-from memplan.spec import load_model
+from memplan.spec import ModelSpec, load_model
 from memplan.workload import Float8Recipe, Recompute, SelectiveImpl, Workload
 
 TINY = load_model("tiny")
@@ -442,3 +442,106 @@ def test_autocast_deferred_mlp_holds_what_its_weight_gradients_read() -> None:
         ("attn_in", 83_978, ("mlp_norm", "attn")),
         ("compiled_end", 0, ("mlp", "mlp_norm", "attn"))]
     assert with_deferred_mlp(moments, TINY, WL, DM) == moments
+
+
+# OLMo 2's layer on the tiny widths (``NormPlacement.POST``: no norm before the mixers, an
+# RMSNorm after each; q/k norms over the whole projection), traced on transformers'
+# Olmo2DecoderLayer in tests/traced/test_compile_trace.py
+POST = ModelSpec.model_validate({**TINY.model_dump(), "norm_placement": "post",
+                                 "qk_norm": "full"})
+
+
+def _post_kind(recompute: str):
+    wl = Workload.model_validate({**WL.model_dump(), "recompute": recompute})
+    validate(POST, ParallelConfig(), wl)  # no longer refused
+    dm = Dims.of(POST, ParallelConfig(), wl)
+    return {m.name: m for m in layer_kind(POST, wl, dm, False, Recompute(recompute)).moments}
+
+
+def test_compiled_post_norm_layer_terms() -> None:
+    """Without recompute, by hand (S = T*h*e = 8,192, rows fp32 r = 256, F = T*f*e = 22,528):
+    the layer's input (the q/k/v projections read the stream itself) S; q and k before their
+    norms (8,192 and 4,096: matmul outputs, the norms' inputs) with a statistic r each;
+    RoPE'd q 8,192 and k 4,096, v 4,096, SDPA's output 8,192 and logsumexp 1,024; each post
+    norm's input (the output and down projections' outputs, S) and statistic r; the residual
+    sum the MLP reads S; gate, up and their product 3 F: 139,264 B (traced on the OLMo 2
+    toy: the partitioner's saved set, exact)."""
+    wl = Workload.model_validate({**WL.model_dump()})
+    dm = Dims.of(POST, ParallelConfig(), wl)
+    terms = {t.name: t.size_bytes
+             for t in layer_terms(POST, wl, dm, moe_layer=False, recompute=Recompute.NONE)
+             if t.size_bytes}
+    assert terms == {
+        "attn_input.output": 8_192, "attn.q_norm.input": 8_192, "attn.q_norm.stats": 256,
+        "attn.k_norm.input": 4_096, "attn.k_norm.stats": 256, "attn.q": 8_192,
+        "attn.k": 4_096, "attn.v": 4_096, "attn.out": 8_192, "attn.lse": 1_024,
+        "attn_post_norm.input": 8_192, "attn_post_norm.stats": 256,
+        "mlp_input.output": 8_192, "mlp.gate": 22_528, "mlp.up": 22_528,
+        "mlp.prod": 22_528, "mlp_post_norm.input": 8_192, "mlp_post_norm.stats": 256}
+    assert sum(terms.values()) == 139_264
+
+
+def test_compiled_post_norm_backward_moments() -> None:
+    """The compiled post norms' backward (``compiled.post_norm_backward_bytes``,
+    ``with_post_norm_schedule``, ``swiglu_moments``' ``post_grad``), by hand (S 8,192, r
+    256, F 22,528; the saved set 139,264):
+
+    - the MLP post norm's kernel: beside the saved set, the incoming gradient S, its input
+      gradient S and its fp32 row sums r: transient 16,640;
+    - the down projection's grad-input matmul: the product freed (139,264 - F = 116,736,
+      the post norm's input and statistic still alive for its weight gradient's reduction,
+      run after the MLP), the incoming gradient, the product's gradient F and the post
+      norm's input gradient S: 38,912; the down weight's gradient made, the post norm's not;
+    - the MLP's kernel: the post norm's input gradient freed, the gate's gradient new: the
+      incoming S + 2 F = 53,248 beside 116,736;
+    - at the attention post norm's kernel the MLP post norm's weight gradient exists.
+
+    Full recompute inside the compiled graph (``rerun_whole_mlp``): the rerun runs the whole
+    MLP, the product and SiLU(gate) (F) among it, beside the saved set and the token-major
+    copy of SDPA's output (T*q*e = 8,192): 139,264 + F + 8,192 = 169,984 at the rerun's end;
+    at the down projection 147,456 (the product freed, SiLU(gate) alive), the same
+    transient; at the kernel SiLU(gate)'s buffer takes the gate's gradient: 124,928 (the
+    layer not rebuilt's 116,736 + the copy)."""
+    none = _post_kind("none")
+    assert none["mlp_post_norm"].alive_bytes == 139_264
+    assert none["mlp_post_norm"].transient_bytes == 16_640
+    assert (none["mlp"].alive_bytes, none["mlp"].transient_bytes) == (116_736, 38_912)
+    assert none["mlp"].grads_before == ("mlp_out",)
+    assert (none["mlp_act"].alive_bytes, none["mlp_act"].transient_bytes) == (116_736, 53_248)
+    assert "mlp_post_norm" not in none["mlp_in"].grads_before
+    assert "mlp_post_norm" in none["attn_post_norm"].grads_before
+    full = _post_kind("full")
+    assert full["rebuild_out"].alive_bytes == 169_984
+    assert (full["mlp"].alive_bytes, full["mlp"].transient_bytes) == (147_456, 38_912)
+    assert full["mlp_act"].alive_bytes == 124_928
+
+
+def test_compiled_post_norm_checkpointed_forward_holds_the_qk_statistics() -> None:
+    """Checkpointed inside the compiled graph, RoPE's moment holds the q and k norms'
+    statistics (``compiled.qk_norm_stats_bytes``: 2 x T fp32 = 512 B) beside what it holds
+    eagerly; the same layer without q/k norms holds neither."""
+    from memplan.model.compiled import qk_norm_stats_bytes
+
+    wl = Workload.model_validate({**WL.model_dump(), "recompute": "full"})
+    dm = Dims.of(POST, ParallelConfig(), wl)
+    assert qk_norm_stats_bytes(POST, dm) == 512
+    assert qk_norm_stats_bytes(TINY, Dims.of(TINY, ParallelConfig(), wl)) == 0
+    eager = wl.model_copy(update={"compile": False})
+    assert qk_norm_stats_bytes(POST, Dims.of(POST, ParallelConfig(), eager)) == 0
+
+
+@pytest.mark.parametrize(("update", "why"), [
+    ({"norm_placement": "sandwich"}, "sandwich norms"),
+    ({"qk_norm": "head"}, "q/k norms other than full-width"),
+    ({"sliding_window": 16}, "sliding-window attention"),
+    ({"qkv_bias": True}, "post norms and biases"),
+])
+def test_compiled_post_norms_refuse_what_is_not_traced(update: dict, why: str) -> None:
+    spec = ModelSpec.model_validate({**POST.model_dump(), **update})
+    with pytest.raises(LayoutError, match=why):
+        validate(spec, ParallelConfig(), WL)
+    amp = WL.model_copy(update={"precision": "amp-bf16"})
+    with pytest.raises(LayoutError, match="post norms and precision amp-bf16"):
+        validate(POST, ParallelConfig(), Workload.model_validate(amp.model_dump()))
+    with pytest.raises(LayoutError, match="post norms, tp 2, cp 1"):
+        validate(POST, ParallelConfig(tp=2), WL)
