@@ -47,6 +47,19 @@ moments hold the incoming gradient's cast and free the down weight's (``autocast
 the MLP's weight gradients run first or at the end, whichever peaks lower at the fused kernel
 (``down_grad_deferred``, ``with_deferred_mlp``). Traced: tests/traced/test_compile_trace.py
 (amp-bf16, amp-fp16), benchmarks/compiled_backward.py (amp-bf16, 2 x 128 to 2 x 1,024).
+
+With norms after the mixers (``NormPlacement.POST``, transformers' Olmo2DecoderLayer) the
+same rules give the saved set (each post norm: its input, a matmul's output, and its
+statistics; q and k before their full-width norms, matmul outputs); the backward differs
+from a pre-norm layer's by Inductor's kernels: a post norm's backward is one kernel writing
+its input gradient (``post_norm_backward_bytes``), its weight gradient a reduction fused
+with the other post norm's after the MLP's backward (``with_post_norm_schedule``: the MLP
+post norm's input held through it), that input gradient a tensor of its own until the
+down projection's grad-input matmul (``swiglu_moments``' ``post_grad``); rebuilt inside
+the graph, the rerun runs the whole MLP for that norm's backward (``rerun_whole_mlp``), and
+the checkpointed forward holds the q/k norms' statistics at RoPE's kernel
+(``qk_norm_stats_bytes``). Traced: tests/traced/test_compile_trace.py (bf16, 2 x 256),
+benchmarks/compiled_backward.py (2 x 64, 2 x 1,024); sandwich norms are refused.
 """
 
 from __future__ import annotations
