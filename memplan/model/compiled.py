@@ -113,7 +113,7 @@ def layer_workload(wl: Workload) -> Workload:
     return wl.model_copy(update={"norm_impl": NormImpl.FUSED})
 
 
-def norm_input_e(prefix: str, dm: Dims) -> int:
+def norm_input_e(prefix: str, dm: Dims, spec: ModelSpec | None = None) -> int:
     """Bytes per element of what a norm saves as its input (``NormImpl.FUSED``'s term):
     the residual stream's, but compiled the MLP norm's input, the residual sum ``x +
     attn_out``, is an add of the allowlist, recomputed in backward from the layer's input
@@ -122,7 +122,15 @@ def norm_input_e(prefix: str, dm: Dims) -> int:
     compute dtype. Without autocast the same size; under autocast the sum is fp32 (the
     projection's low-precision output promoted by the fp32 stream) and half as large is
     saved (traced: tests/traced/test_compile_trace.py, amp-bf16 and amp-fp16: ``mm_3``,
-    T x h in bf16/fp16)."""
+    T x h in bf16/fp16). With sandwich norms (``NormPlacement.SANDWICH``, transformers'
+    Gemma2DecoderLayer: ``residual + post_attention_layernorm(attn_out)``) the sum is
+    recomputed from the layer's input and the post-attention norm's saved input (the output
+    projection's output) and statistics, all saved anyway: nothing (``spec``: the layer's;
+    traced: benchmarks/compiled_backward.py, Gemma 2's layer, bf16: the saved set holds no
+    tensor for it)."""
+    if (dm.compiled and prefix == "mlp_norm" and spec is not None
+            and spec.norm_placement is NormPlacement.SANDWICH):
+        return 0
     return dm.e if dm.compiled and prefix == "mlp_norm" else dm.stream_e
 
 
@@ -260,8 +268,15 @@ def swiglu_backward(spec: ModelSpec, dm: Dims, recompute: Recompute) -> bool:
     gradient to the compute dtype before the down projection's matmuls and a cast of each
     weight gradient to the parameters' dtype after its matmul (``_to_copy`` kernels of their
     own), nothing inside the activation's fused kernel, whose inputs and outputs are all in
-    the compute dtype (``autocast_grads``)."""
-    return (_gated_kernel(spec, dm) and spec.mlp is MlpKind.SWIGLU and spec.dropout == 0
+    the compute dtype (``autocast_grads``). GeGLU (a one-op GELU, transformers'
+    ``gelu_pytorch_tanh``) not rebuilt: the same kernels (traced: benchmarks/
+    compiled_backward.py, Gemma 2's layer, bf16, no recompute:
+    ``cpp_fused__unsafe_view_gelu_gelu_backward_mul_view_2`` writing up's gradient into up's
+    buffer and the gate's anew); rebuilt, its rerun keeps an fp32 intermediate of the GELU
+    (traced, not modelled)."""
+    return (_gated_kernel(spec, dm)
+            and (spec.mlp is MlpKind.SWIGLU or spec.mlp is MlpKind.GEGLU and not dm.rerun)
+            and spec.dropout == 0
             and dm.float8 is Float8Recipe.NONE and recompute is Recompute.NONE)
 
 
@@ -445,17 +460,24 @@ def with_post_norm_schedule(moments: Sequence[LayerMoment], spec: ModelSpec, wl:
     ``cpp_fused__to_copy__unsafe_view_add_mul_sum_view_3`` frees ``mm_6`` and ``rsqrt_3``
     before the attention post norm's input-gradient kernel). Rebuilt inside the graph
     (``rerun_whole_mlp``) SiLU(gate) is alive beside the rerun until the MLP's fused kernel
-    writes the gate's gradient into it."""
-    if not (dm.compiled and spec.norm_placement is NormPlacement.POST):
+    writes the gate's gradient into it. With sandwich norms (Gemma 2's layer) the MLP post
+    norm's weight-gradient reduction runs first, at its own backward, its input gradient
+    then written into its saved input's buffer (``decide_inplace_update``): nothing held
+    (traced: benchmarks/compiled_backward.py, Gemma 2's layer, bf16, no recompute,
+    ``cpp_fused__to_copy__unsafe_view_mul_sum_view_0`` before the input gradient's kernel:
+    Inductor's fusion there does not join it to the attention post norm's reduction, as it
+    does in OLMo 2's layer; observed, not derived)."""
+    if not (dm.compiled and spec.norm_placement.post_norm):
         return list(moments)
-    kept = dm.rows * spec.hidden_size * dm.e + dm.rows * FP32_BYTES
+    kept = (dm.rows * spec.hidden_size * dm.e + dm.rows * FP32_BYTES
+            if spec.norm_placement is NormPlacement.POST else 0)
     silu = (dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
             if recompute is Recompute.FULL and not in_checkpoint(wl) else 0)
     out, state = [], "before"
     for m in moments:
         state = {"mlp_post_norm": "post", "mlp_act": "kernel",
                  "attn_post_norm": "after"}.get(m.name, state)
-        if state in ("post", "kernel") and m.name != "mlp_post_norm":
+        if kept and state in ("post", "kernel") and m.name != "mlp_post_norm":
             m = m._replace(alive_bytes=m.alive_bytes + kept, grads_before=tuple(
                 g for g in m.grads_before if g != "mlp_post_norm"))
         if state in ("before", "post"):

@@ -86,7 +86,7 @@ def _norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims,
         saved = float8_tp_input_bytes(dm.linear_rows, h)
     out = [Term(f"{prefix}.output", saved), Term(f"{prefix}.stats", stats)]
     if wl.norm_impl is NormImpl.FUSED:
-        return [Term(f"{prefix}.input", rows * h * compiled.norm_input_e(prefix, dm)), *out]
+        return [Term(f"{prefix}.input", rows * h * compiled.norm_input_e(prefix, dm, spec)), *out]
     # normalise in fp32, cast back to the input's dtype, then weight * normed saves it;
     # litgpt multiplies before the cast, by an fp32 copy of the weight: both saved in fp32
     if wl.norm_impl is NormImpl.UPCAST_FP32:

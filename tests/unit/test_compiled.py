@@ -530,18 +530,62 @@ def test_compiled_post_norm_checkpointed_forward_holds_the_qk_statistics() -> No
     assert qk_norm_stats_bytes(POST, Dims.of(POST, ParallelConfig(), eager)) == 0
 
 
-@pytest.mark.parametrize(("update", "why"), [
-    ({"norm_placement": "sandwich"}, "sandwich norms"),
-    ({"qk_norm": "head"}, "q/k norms other than full-width"),
-    ({"sliding_window": 16}, "sliding-window attention"),
-    ({"qkv_bias": True}, "post norms and biases"),
+@pytest.mark.parametrize(("update", "recompute", "why"), [
+    ({"norm_placement": "sandwich"}, "none", r"sandwich norms and q/k norms full \(traced: none"),
+    ({"qk_norm": "head"}, "none", r"post norms and q/k norms head \(traced: full"),
+    ({"norm_placement": "sandwich", "qk_norm": "none"}, "full",
+     "sandwich norms and recompute full"),
+    ({"sliding_window": 32}, "none", "sliding-window attention over a sequence as long"),
+    ({"qkv_bias": True}, "none", "post norms and biases"),
+    ({"mlp": "geglu"}, "full", "an MLP other than SwiGLU or GeGLU"),
 ])
-def test_compiled_post_norms_refuse_what_is_not_traced(update: dict, why: str) -> None:
+def test_compiled_post_norms_refuse_what_is_not_traced(update: dict, recompute: str,
+                                                       why: str) -> None:
     spec = ModelSpec.model_validate({**POST.model_dump(), **update})
+    wl = Workload.model_validate({**WL.model_dump(), "recompute": recompute})
     with pytest.raises(LayoutError, match=why):
-        validate(spec, ParallelConfig(), WL)
+        validate(spec, ParallelConfig(), wl)
+    # a window longer than the sequence: transformers skips SDPA's mask, as traced
+    validate(ModelSpec.model_validate({**POST.model_dump(), "sliding_window": 33}),
+             ParallelConfig(), WL)
     amp = WL.model_copy(update={"precision": "amp-bf16"})
     with pytest.raises(LayoutError, match="post norms and precision amp-bf16"):
         validate(POST, ParallelConfig(), Workload.model_validate(amp.model_dump()))
     with pytest.raises(LayoutError, match="post norms, tp 2, cp 1"):
         validate(POST, ParallelConfig(tp=2), WL)
+
+
+# Gemma 2's layer on the tiny widths: sandwich norms, no q/k norms, GeGLU (traced on
+# transformers' Gemma2DecoderLayer: benchmarks/compiled_backward.py)
+SANDWICH = ModelSpec.model_validate({**TINY.model_dump(), "norm_placement": "sandwich",
+                                     "mlp": "geglu"})
+
+
+def test_compiled_sandwich_layer_terms_and_moments() -> None:
+    """Without recompute, by hand (S = 8,192, r = 256, F = 22,528, k and v 4,096 each): the
+    input norm's input (the layer's) S, statistic r and output S; q (RoPE'd) S, k, v, SDPA's
+    output S, logsumexp 1,024; the post-attention norm's input (the output projection's
+    output) S and r; the pre-feedforward norm's statistic r and output S but not its input,
+    the residual sum, recomputed from the layer's input and the post-attention norm's saved
+    tensors (``compiled.norm_input_e``); gate, up, product 3 F; the post-feedforward norm's
+    input S and r: 7 S + 4 r + 8,192 + 1,024 + 3 F = 135,168 B (the eager-order count with
+    the sum: 143,360).
+
+    Backward: GeGLU's kernels are SwiGLU's (``compiled.swiglu_backward``); the MLP post
+    norm's weight gradient runs at its own backward, its input freed there
+    (``with_post_norm_schedule``: nothing held): at the MLP's kernel the saved set less the
+    post norm's (S + r) and the product, beside the incoming gradient and 2 F: alive
+    135,168 - 8,448 - 22,528 = 104,192, transient 8,192 + 45,056 = 53,248, and the MLP
+    post norm's weight gradient exists."""
+    wl = Workload.model_validate({**WL.model_dump()})
+    validate(SANDWICH, ParallelConfig(), wl)
+    dm = Dims.of(SANDWICH, ParallelConfig(), wl)
+    terms = {t.name: t.size_bytes
+             for t in layer_terms(SANDWICH, wl, dm, moe_layer=False, recompute=Recompute.NONE)
+             if t.size_bytes}
+    assert "mlp_norm.input" not in terms
+    assert sum(terms.values()) == 135_168
+    moments = {m.name: m for m in layer_kind(SANDWICH, wl, dm, False, Recompute.NONE).moments}
+    act = moments["mlp_act"]
+    assert (act.alive_bytes, act.transient_bytes) == (104_192, 53_248)
+    assert "mlp_post_norm" in act.grads_before
