@@ -14,7 +14,7 @@ from memplan.model.block import BackwardMoment, Moment
 from memplan.model.norm import output_kept
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split, local_widths
-from memplan.spec import ActivationImpl, MlpKind, ModelSpec, NormPlacement, activation_params
+from memplan.spec import ActivationImpl, MlpKind, ModelSpec, activation_params
 from memplan.workload import MlpImpl, Recompute, TeFp8Recipe, Workload
 
 
