@@ -58,8 +58,11 @@ post norm's input held through it), that input gradient a tensor of its own unti
 down projection's grad-input matmul (``swiglu_moments``' ``post_grad``); rebuilt inside
 the graph, the rerun runs the whole MLP for that norm's backward (``rerun_whole_mlp``), and
 the checkpointed forward holds the q/k norms' statistics at RoPE's kernel
-(``qk_norm_stats_bytes``). Traced: tests/traced/test_compile_trace.py (bf16, 2 x 256),
-benchmarks/compiled_backward.py (2 x 64, 2 x 1,024); sandwich norms are refused.
+(``qk_norm_stats_bytes``). With sandwich norms (Gemma2DecoderLayer) the pre-feedforward
+norm's input is recomputed from tensors saved anyway (``norm_input_e``) and the MLP post
+norm's weight gradient runs at its own backward; rebuilt, its rerun keeps fp32 buffers not
+modelled (refused). Traced: tests/traced/test_compile_trace.py (bf16, 2 x 256),
+benchmarks/compiled_backward.py (2 x 64, 2 x 1,024).
 """
 
 from __future__ import annotations
