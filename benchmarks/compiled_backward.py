@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "traced"))
 
 TITAN = dict(dim=256, n_layers=1, n_heads=8, n_kv_heads=2, vocab_size=1000)
-CASES = [  # (library, fused q/k/v, dtype or amp-bf16, checkpoint: none, full or op (per-op SAC), batch, seq)
+CASES = [  # (library: torchtitan, transformers (Llama), olmo2 or gemma2, fused q/k/v,
+    #        dtype or amp-bf16, checkpoint: none, full or op (per-op SAC), batch, seq)
     ("torchtitan", True, "bfloat16", "full", 2, 64),
     ("torchtitan", True, "bfloat16", "full", 2, 96),  # T < h, no size coincidence
     ("torchtitan", True, "bfloat16", "full", 2, 1024),
@@ -48,13 +49,24 @@ CASES = [  # (library, fused q/k/v, dtype or amp-bf16, checkpoint: none, full or
     ("transformers", False, "amp-bf16", "full", 2, 256),
     ("transformers", False, "amp-bf16", "none", 2, 1024),
     ("transformers", False, "amp-bf16", "full", 2, 1024),
+    # transformers' OLMo 2 layer (post norms, full-width q/k norms: hf_configs.OLMO2_TOY);
+    # full: the checkpoint inside the compiled graph, as transformers' gradient checkpointing
+    # under the Trainer's torch_compile
+    ("olmo2", False, "bfloat16", "none", 2, 64),
+    ("olmo2", False, "bfloat16", "none", 2, 1024),
+    ("olmo2", False, "bfloat16", "full", 2, 64),
+    ("olmo2", False, "bfloat16", "full", 2, 1024),
+    # transformers' Gemma 2 layer (sandwich norms, GeGLU: hf_configs.GEMMA2_TOY), no recompute
+    # (full recompute refused: memplan.parallel._compile_post_norm_refusal)
+    ("gemma2", False, "bfloat16", "none", 2, 64),
+    ("gemma2", False, "bfloat16", "none", 2, 1024),
 ]
 
 
 def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: int,
                   seq: int) -> tuple[int, int]:
     """memplan's (forward peak, backward peak) of the layer, each less one stream tensor."""
-    from hf_configs import LLAMA3_TOY, hf
+    from hf_configs import GEMMA2_TOY, LLAMA3_TOY, OLMO2_TOY, hf
 
     from memplan.model.dims import Dims
     from memplan.model.layer import grad_group_params, layer_kind
@@ -67,6 +79,10 @@ def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch:
     precision = {"bfloat16": "bf16-pure", "float32": "fp32"}.get(dtype, dtype)
     if library == "transformers":
         spec, extra = spec_from_hf_dict(hf("Meta-Llama-3-8B", **LLAMA3_TOY), "toy", "toy"), {}
+    elif library == "olmo2":
+        spec, extra = spec_from_hf_dict(hf("OLMo-2-1124-7B", **OLMO2_TOY), "toy", "toy"), {}
+    elif library == "gemma2":
+        spec, extra = spec_from_hf_dict(hf("gemma-2-9b", **GEMMA2_TOY), "toy", "toy"), {}
     else:
         from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
 
@@ -89,11 +105,13 @@ def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch:
 
 def traced_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: int,
                  seq: int) -> tuple[int, int]:
-    from hf_configs import LLAMA3_TOY, hf
+    from hf_configs import GEMMA2_TOY, LLAMA3_TOY, OLMO2_TOY, hf
 
     from memplan.profile.compiled_trace import compiled_layer_step
 
     config = (hf("Meta-Llama-3-8B", **LLAMA3_TOY) if library == "transformers"
+              else hf("OLMo-2-1124-7B", **OLMO2_TOY) if library == "olmo2"
+              else hf("gemma-2-9b", **GEMMA2_TOY) if library == "gemma2"
               else {"torchtitan": dict(TITAN, fuse_qkv=fused)})
     weights, autocast = ("float32", "bfloat16") if dtype == "amp-bf16" else (dtype, None)
     _, forward, backward = compiled_layer_step(config, weights, batch, seq, autocast,

@@ -728,6 +728,56 @@ def _compile_autocast_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     return None if why is None else f"precision {wl.precision.value} and {why}"
 
 
+def _compile_post_norm_refusal(spec: ModelSpec, wl: Workload) -> str | None:
+    """Why a compiled layer with norms after its mixers is not modelled, or None: traced
+    (``memplan.model.compiled``: ``post_norm_backward_bytes``, ``with_post_norm_schedule``,
+    ``rerun_whole_mlp``, ``qk_norm_stats_bytes``, ``norm_input_e``; tests/traced/
+    test_compile_trace.py, benchmarks/compiled_backward.py) in one compute dtype, one TP
+    and CP rank (``validate``), no adapters, no float8, on transformers'
+    ``Olmo2DecoderLayer`` (post norms, full-width q/k norms, SwiGLU), recompute none or full
+    with the checkpoint inside the compiled graph (transformers' gradient checkpointing
+    under the Trainer's ``torch_compile``), and ``Gemma2DecoderLayer`` (sandwich norms,
+    Gemma's ``1 + weight``, no q/k norms, GeGLU with ``gelu_pytorch_tanh``), recompute none
+    (its rerun keeps fp32 buffers of the norm and the GELU: traced, not modelled): RMSNorm,
+    RoPE, separate q/k/v without biases, SDPA, separate gate and up. A sliding window as
+    long as the sequence or shorter is refused: transformers skips SDPA's mask only below it
+    (masking_utils.py ``_ignore_causal_mask_sdpa``: ``kv_length < local_attention_size``),
+    and the layers were traced without a mask. Gemma 3 (q/k norms per head) and GLM-4 (a
+    fused gate/up projection) are not traced."""
+    sandwich = spec.norm_placement.value == "sandwich"
+    qk = "none" if sandwich else "full"
+    odd = [(spec.moe is not None, "post norms around MoE blocks"),
+           (spec.norm.value != "rmsnorm", "post LayerNorms"),
+           (spec.qk_norm.value != qk,
+            f"{spec.norm_placement.value} norms and q/k norms {spec.qk_norm.value} "
+            f"(traced: {qk})"),
+           (sandwich and wl.recompute is Recompute.FULL, "sandwich norms and recompute full"),
+           (spec.position.value != "rope" or spec.rope_complex or spec.rope_interleaved
+            or spec.rotary_dim is not None or spec.nope_layer_interval > 0,
+            "post norms and a position encoding other than transformers' full RoPE"),
+           (spec.qkv_bias or spec.attn_out_bias or spec.mlp_bias or spec.norm_bias,
+            "post norms and biases"),
+           (spec.fused_qkv or wl.fused_qkv, "post norms and a fused qkv projection"),
+           (spec.sliding_window is not None and wl.seq_len >= spec.sliding_window,
+            "post norms and sliding-window attention over a sequence as long as the window"),
+           (spec.parallel_block or spec.scaled_residual or spec.dropout > 0,
+            "post norms and a parallel, scaled or dropout layer"),
+           (spec.mlp.value not in ("swiglu", "geglu") or spec.fused_gate_up
+            or spec.activation_impl.value != "kernel"
+            or (spec.mlp.value == "geglu" and wl.recompute is Recompute.FULL),
+            "post norms and an MLP other than SwiGLU or GeGLU (not rebuilt) with separate "
+            "gate and up projections"),
+           (wl.precision.policy.autocast, f"post norms and precision {wl.precision.value}"),
+           (wl.recompute is Recompute.SELECTIVE, "post norms and recompute selective"),
+           (wl.recompute is Recompute.FULL and wl.compile_in_checkpoint,
+            "post norms and the activation checkpoint around the compiled layer "
+            "(compile_in_checkpoint)"),
+           (bool(wl.lora_rank), "post norms and LoRA adapters"),
+           (wl.float8.value != "none" or wl.te_fp8.value != "none",
+            "post norms and float8 linears")]
+    return next((w for bad, w in odd if bad), None)
+
+
 def _compile_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why a compiled MoE layer is not modelled, or None: transformers' grouped experts
     (``memplan.model.compiled.moe_terms``), traced on Qwen3-MoE's and Mixtral's layers in
@@ -773,7 +823,9 @@ def _compiled_mlp_lora_traced(spec: ModelSpec, wl: Workload) -> bool:
 def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     """What a compiled layer's saved set is derived for (``memplan.model.compiled``): a
     pre-norm layer (dense, or MoE with transformers' grouped experts in bf16:
-    ``_compile_moe_refusal``) with SDPA attention in one compute dtype, or under autocast a
+    ``_compile_moe_refusal``) with SDPA attention in one compute dtype, OLMo 2's post-norm
+    layer or Gemma 2's sandwich-norm layer (``_compile_post_norm_refusal``), or under
+    autocast a
     Llama-like dense layer (``_compile_autocast_refusal``), no recompute or a fully
     checkpointed layer, or torchtitan's per-op SAC. The rest is not modelled yet: a
     refusal, not an eager estimate."""
@@ -782,8 +834,9 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
         why = _compile_moe_refusal(spec, wl)
     if why is not None:
         pass
-    elif spec.norm_placement.value != "pre":
-        why = f"{spec.norm_placement.value} norms"
+    elif (spec.norm_placement.value != "pre"
+          and (why := _compile_post_norm_refusal(spec, wl)) is not None):
+        pass
     elif wl.attention.value != "flash":
         why = f"attention {wl.attention.value}"
     elif wl.precision.policy.autocast and (why := _compile_autocast_refusal(spec, wl)):
@@ -815,7 +868,9 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     return LayoutError(f"compile is not modelled with {why}",
                        f"compile with {why}: what the partitioner saves there is not "
                        "modelled yet (compile is modelled for pre-norm layers, dense or "
-                       "with transformers' bf16 grouped experts, SDPA attention; under "
+                       "with transformers' bf16 grouped experts, SDPA attention; OLMo 2's "
+                       "post-norm layer in one dtype, recompute none or full, Gemma 2's "
+                       "sandwich-norm layer in one dtype, recompute none; under "
                        "autocast a Llama-like dense layer (RMSNorm, RoPE, no biases, separate "
                        "q/k/v and gate/up) without adapters or float8 on one TP rank, "
                        "recompute none or full; LoRA on unquantized or torchao NF4 base weights "
@@ -876,6 +931,12 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise err
     if wl.compile and (err := compile_rule(spec, wl)) is not None:
         raise err
+    if wl.compile and spec.norm_placement.value != "pre" and (par.tp > 1 or par.cp > 1):
+        # (``_compile_post_norm_refusal``: traced on one rank)
+        raise LayoutError(
+            "compile is not modelled with post norms and tp or cp > 1",
+            f"compile with {spec.norm_placement.value} norms, tp {par.tp}, cp {par.cp}: what "
+            "the partitioner saves with post norms is traced on one rank (tp 1, cp 1)")
     if wl.compile and wl.precision.policy.autocast and (par.tp > 1 or par.cp > 1):
         # (``_compile_autocast_refusal``: traced on one rank)
         raise LayoutError(

@@ -435,7 +435,7 @@ class Attention:
             r = FP32_BYTES // e if _fp32_rotated(spec, dm) else 1
             rope = max(q_in + kv_in + 3 * r * q_in,
                        q_in + r * q_in + kv_in + 3 * r * k_bytes)
-            moments.append(Moment("rope", 0, rope))
+            moments.append(Moment("rope", 0, rope + compiled.qk_norm_stats_bytes(spec, dm)))
         return moments
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,

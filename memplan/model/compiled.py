@@ -47,6 +47,22 @@ moments hold the incoming gradient's cast and free the down weight's (``autocast
 the MLP's weight gradients run first or at the end, whichever peaks lower at the fused kernel
 (``down_grad_deferred``, ``with_deferred_mlp``). Traced: tests/traced/test_compile_trace.py
 (amp-bf16, amp-fp16), benchmarks/compiled_backward.py (amp-bf16, 2 x 128 to 2 x 1,024).
+
+With norms after the mixers (``NormPlacement.POST``, transformers' Olmo2DecoderLayer) the
+same rules give the saved set (each post norm: its input, a matmul's output, and its
+statistics; q and k before their full-width norms, matmul outputs); the backward differs
+from a pre-norm layer's by Inductor's kernels: a post norm's backward is one kernel writing
+its input gradient (``post_norm_backward_bytes``), its weight gradient a reduction fused
+with the other post norm's after the MLP's backward (``with_post_norm_schedule``: the MLP
+post norm's input held through it), that input gradient a tensor of its own until the
+down projection's grad-input matmul (``swiglu_moments``' ``post_grad``); rebuilt inside
+the graph, the rerun runs the whole MLP for that norm's backward (``rerun_whole_mlp``), and
+the checkpointed forward holds the q/k norms' statistics at RoPE's kernel
+(``qk_norm_stats_bytes``). With sandwich norms (Gemma2DecoderLayer) the pre-feedforward
+norm's input is recomputed from tensors saved anyway (``norm_input_e``) and the MLP post
+norm's weight gradient runs at its own backward; rebuilt, its rerun keeps fp32 buffers not
+modelled (refused). Traced: tests/traced/test_compile_trace.py (bf16, 2 x 256),
+benchmarks/compiled_backward.py (2 x 64, 2 x 1,024).
 """
 
 from __future__ import annotations
@@ -57,7 +73,15 @@ from typing import TYPE_CHECKING
 from memplan.model import linear
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import COMPLEX64_PAIR_BYTES, FP32_BYTES, INDEX_BYTES, Dims, Term
-from memplan.spec import ActivationImpl, MlpKind, ModelSpec, MoESpec, PositionKind, QkNorm
+from memplan.spec import (
+    ActivationImpl,
+    MlpKind,
+    ModelSpec,
+    MoESpec,
+    NormPlacement,
+    PositionKind,
+    QkNorm,
+)
 from memplan.workload import (
     Attention,
     AttentionImpl,
@@ -92,7 +116,7 @@ def layer_workload(wl: Workload) -> Workload:
     return wl.model_copy(update={"norm_impl": NormImpl.FUSED})
 
 
-def norm_input_e(prefix: str, dm: Dims) -> int:
+def norm_input_e(prefix: str, dm: Dims, spec: ModelSpec | None = None) -> int:
     """Bytes per element of what a norm saves as its input (``NormImpl.FUSED``'s term):
     the residual stream's, but compiled the MLP norm's input, the residual sum ``x +
     attn_out``, is an add of the allowlist, recomputed in backward from the layer's input
@@ -101,7 +125,15 @@ def norm_input_e(prefix: str, dm: Dims) -> int:
     compute dtype. Without autocast the same size; under autocast the sum is fp32 (the
     projection's low-precision output promoted by the fp32 stream) and half as large is
     saved (traced: tests/traced/test_compile_trace.py, amp-bf16 and amp-fp16: ``mm_3``,
-    T x h in bf16/fp16)."""
+    T x h in bf16/fp16). With sandwich norms (``NormPlacement.SANDWICH``, transformers'
+    Gemma2DecoderLayer: ``residual + post_attention_layernorm(attn_out)``) the sum is
+    recomputed from the layer's input and the post-attention norm's saved input (the output
+    projection's output) and statistics, all saved anyway: nothing (``spec``: the layer's;
+    traced: benchmarks/compiled_backward.py, Gemma 2's layer, bf16: the saved set holds no
+    tensor for it)."""
+    if (dm.compiled and prefix == "mlp_norm" and spec is not None
+            and spec.norm_placement is NormPlacement.SANDWICH):
+        return 0
     return dm.e if dm.compiled and prefix == "mlp_norm" else dm.stream_e
 
 
@@ -239,8 +271,15 @@ def swiglu_backward(spec: ModelSpec, dm: Dims, recompute: Recompute) -> bool:
     gradient to the compute dtype before the down projection's matmuls and a cast of each
     weight gradient to the parameters' dtype after its matmul (``_to_copy`` kernels of their
     own), nothing inside the activation's fused kernel, whose inputs and outputs are all in
-    the compute dtype (``autocast_grads``)."""
-    return (_gated_kernel(spec, dm) and spec.mlp is MlpKind.SWIGLU and spec.dropout == 0
+    the compute dtype (``autocast_grads``). GeGLU (a one-op GELU, transformers'
+    ``gelu_pytorch_tanh``) not rebuilt: the same kernels (traced: benchmarks/
+    compiled_backward.py, Gemma 2's layer, bf16, no recompute:
+    ``cpp_fused__unsafe_view_gelu_gelu_backward_mul_view_2`` writing up's gradient into up's
+    buffer and the gate's anew); rebuilt, its rerun keeps an fp32 intermediate of the GELU
+    (traced, not modelled)."""
+    return (_gated_kernel(spec, dm)
+            and (spec.mlp is MlpKind.SWIGLU or spec.mlp is MlpKind.GEGLU and not dm.rerun)
+            and spec.dropout == 0
             and dm.float8 is Float8Recipe.NONE and recompute is Recompute.NONE)
 
 
@@ -305,7 +344,8 @@ def with_deferred_mlp(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workl
 
 
 def swiglu_moments(wl: Workload, dm: Dims, saved: int, inner: int, grad_inputs: int,
-                   fresh: int, out_cast: int = 0) -> list[BackwardMoment]:
+                   fresh: int, out_cast: int = 0, whole: bool = False,
+                   post_grad: int = 0) -> list[BackwardMoment]:
     """A compiled SwiGLU MLP's backward as Inductor schedules it (one kernel per scheduler
     node, as a GPU backend launches them; traced on CPU: benchmarks/compiled_backward.py,
     torchtitan 0.3's block and transformers' layer at 2 x 1,024 tokens): the activation's and
@@ -333,9 +373,17 @@ def swiglu_moments(wl: Workload, dm: Dims, saved: int, inner: int, grad_inputs: 
     grad-input matmul, the product freed by the weight gradient's matmul before it (the
     order traced: ``mm(grad.T, product)``, ``del`` product, ``mm(grad, weight_cast)``; its
     weight gradient counted in the parameters' dtype, where the trace holds the compute
-    dtype's until the cast after: h x f / t x (4 - 2) B over there, never the peak traced)."""
+    dtype's until the cast after: h x f / t x (4 - 2) B over there, never the peak traced).
+    ``whole``: the rerun ran the whole MLP (``rerun_whole_mlp``): the order of a layer not
+    rebuilt. ``post_grad``: with a norm after the MLP (``NormPlacement.POST``), that norm's
+    input gradient (the down projection's output gradient, rows x h, a tensor of its own
+    where a pre-norm layer's is the residual gradient itself), alive until the down
+    projection's grad-input matmul; the down projection's moment is that matmul's, the
+    product freed by the weight gradient's matmul before it and its gradient made (traced:
+    transformers' OLMo 2 layer, bf16, 2 x 1,024 tokens, without recompute and rebuilt: the
+    product's gradient in the product's buffer, ``buf31 = buf23  # reuse``)."""
     freed, cast = autocast_grads(dm, grad_inputs // 2, out_cast)
-    rebuilt = dm.rerun and not in_checkpoint(wl)
+    rebuilt = dm.rerun and not in_checkpoint(wl) and not whole
     last = BackwardMoment("mlp_in", 0, grad_inputs + inner, ("mlp",), fresh)
     if not rebuilt and down_grad_deferred(dm, inner, cast, fresh):
         # gate freed by the kernel, its gradient and up's (in up's buffer) kept for the
@@ -346,15 +394,99 @@ def swiglu_moments(wl: Workload, dm: Dims, saved: int, inner: int, grad_inputs: 
     if not rebuilt:
         # under autocast at the down projection's grad-input matmul, the product freed by the
         # weight gradient's matmul before it (without, the eager moment: never the peak)
-        product = inner if dm.autocast else 0
-        return [BackwardMoment("mlp", saved - product, inner + cast, ("mlp_out",), fresh,
-                               inner - product),
+        product = inner if dm.autocast or post_grad else 0
+        return [BackwardMoment("mlp", saved - product, inner + cast + post_grad, ("mlp_out",),
+                               fresh, inner - product),
                 BackwardMoment("mlp_act", saved - inner - freed, 2 * inner, ("mlp_out",)),
                 last]
     return [BackwardMoment("mlp_act", saved - freed, 3 * inner + cast, ()),
             BackwardMoment("mlp", saved - 2 * inner - freed, 2 * inner + cast, ("mlp_out",),
                            fresh, inner),
             last]
+
+
+def post_norm_backward_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """Compiled, a post norm's backward (a norm on a mixer's output before the residual add:
+    ``NormPlacement.POST``, transformers' Olmo2DecoderLayer.forward, Olmo2RMSNorm.forward)
+    beside its incoming gradient: one Inductor kernel (torch/_inductor/scheduler.py
+    ``Scheduler.fuse_nodes``: the upcast, the weighted gradient, the per-row dot product
+    and the input gradient's cast) writing its input gradient, rows x h in the compute dtype,
+    and the fp32 per-row sums it reads back (rows x 4 B, freed after it). Its weight's
+    gradient is another kernel (``with_post_norm_schedule``). Traced: benchmarks/
+    compiled_backward.py, transformers' OLMo 2 layer, bf16, 2 x 1,024 tokens: the kernel's
+    ``buf2`` (T fp32) and ``buf3`` (T x h bf16) beside the saved set."""
+    return dm.rows * spec.hidden_size * dm.e + dm.rows * FP32_BYTES
+
+
+def rerun_whole_mlp(spec: ModelSpec, dm: Dims) -> bool:
+    """A compiled layer rebuilt inside the graph (full AC, ``Dims.rerun``) with a norm after
+    its MLP (``NormPlacement.post_norm``): that norm's backward reads its input, the down
+    projection's output, so the rerun runs the whole MLP, the product and SiLU(gate)
+    included, where a pre-norm layer's rerun stops at gate and up (``swiglu_moments``).
+    Inductor's rerun kernel writes SiLU(gate) and the product as two buffers (the product
+    for the down projection, SiLU(gate) for up's gradient in the backward's kernel), and the
+    backward then runs in the order of a layer not rebuilt: the down weight's gradient
+    first, the product's buffer reused for its gradient, the fused kernel writing the gate's
+    gradient into SiLU(gate)'s buffer and up's into up's (``decide_inplace_update``).
+    Traced: benchmarks/compiled_backward.py, transformers' OLMo 2 layer, bf16, full
+    recompute, 2 x 1,024 tokens (``cpp_fused__unsafe_view_mul_silu_7``, its outputs
+    ``buf21`` and ``buf23``)."""
+    return dm.compiled and dm.rerun and spec.norm_placement.post_norm
+
+
+def qk_norm_stats_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """Compiled and checkpointed inside the graph (nothing saved), what a full-width q/k
+    norm (``QkNorm.FULL``: transformers' Olmo2Attention.q_norm / k_norm, Olmo2RMSNorm over
+    heads x head_dim) adds to RoPE's moment of the forward: each norm's mean square is a
+    reduction kernel of its own (``cpp_fused__to_copy__unsafe_view_mean_pow_0``, fp32 per
+    row) and its normalisation is fused into RoPE's kernel, so both statistics (rows x 4 B
+    each) are alive until the kernel that writes the rotated q and k (traced:
+    benchmarks/compiled_backward.py, transformers' OLMo 2 layer, bf16, full recompute:
+    2 x 64 tokens 1,024 B and 2 x 1,024 tokens 16,384 B beside the rotation's buffers);
+    0 elsewhere."""
+    if not (dm.compiled and spec.qk_norm is QkNorm.FULL):
+        return 0
+    return 2 * dm.rows * FP32_BYTES
+
+
+def with_post_norm_schedule(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
+                            dm: Dims, recompute: Recompute) -> list[LayerMoment]:
+    """A compiled layer's backward (``moments``, in backward order) with post norms
+    (``NormPlacement.POST``) as Inductor schedules it. Each post norm's weight gradient is a
+    reduction over the rows of its incoming gradient times its normalised input, a kernel
+    apart from its input gradient's (``post_norm_backward_bytes``), and the scheduler fuses
+    the MLP post norm's reduction with the attention post norm's (both read the MLP's input
+    gradients' sum), after the MLP's backward: the MLP post norm's saved input (the down
+    projection's output, rows x h) and statistics (rows fp32) stay alive through the MLP's
+    moments, and its weight gradient does not exist there (traced: benchmarks/
+    compiled_backward.py, transformers' OLMo 2 layer, bf16, 2 x 1,024 tokens:
+    ``cpp_fused__to_copy__unsafe_view_add_mul_sum_view_3`` frees ``mm_6`` and ``rsqrt_3``
+    before the attention post norm's input-gradient kernel). Rebuilt inside the graph
+    (``rerun_whole_mlp``) SiLU(gate) is alive beside the rerun until the MLP's fused kernel
+    writes the gate's gradient into it. With sandwich norms (Gemma 2's layer) the MLP post
+    norm's weight-gradient reduction runs first, at its own backward, its input gradient
+    then written into its saved input's buffer (``decide_inplace_update``): nothing held
+    (traced: benchmarks/compiled_backward.py, Gemma 2's layer, bf16, no recompute,
+    ``cpp_fused__to_copy__unsafe_view_mul_sum_view_0`` before the input gradient's kernel:
+    Inductor's fusion there does not join it to the attention post norm's reduction, as it
+    does in OLMo 2's layer; observed, not derived)."""
+    if not (dm.compiled and spec.norm_placement.post_norm):
+        return list(moments)
+    kept = (dm.rows * spec.hidden_size * dm.e + dm.rows * FP32_BYTES
+            if spec.norm_placement is NormPlacement.POST else 0)
+    silu = (dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+            if recompute is Recompute.FULL and not in_checkpoint(wl) else 0)
+    out, state = [], "before"
+    for m in moments:
+        state = {"mlp_post_norm": "post", "mlp_act": "kernel",
+                 "attn_post_norm": "after"}.get(m.name, state)
+        if kept and state in ("post", "kernel") and m.name != "mlp_post_norm":
+            m = m._replace(alive_bytes=m.alive_bytes + kept, grads_before=tuple(
+                g for g in m.grads_before if g != "mlp_post_norm"))
+        if state in ("before", "post"):
+            m = m._replace(alive_bytes=m.alive_bytes + silu)
+        out.append(m)
+    return out
 
 
 def sac_schedule(spec: ModelSpec, dm: Dims) -> bool:

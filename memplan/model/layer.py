@@ -434,6 +434,8 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
         later += (block.name,)
     if not moe_layer:  # compiled under autocast, the MLP's weight gradients at the end
         out = compiled.with_deferred_mlp(out, spec, wl, dm)
+        # compiled post norms: the MLP post norm's weight gradient with the attention's
+        out = compiled.with_post_norm_schedule(out, spec, wl, dm, recompute)
     if not moe_layer and (end := compiled.autocast_end_bytes(spec, dm)) is not None:
         # the compiled backward's end: every weight gradient made (``compiled.
         # autocast_end_bytes``), the saved set freed

@@ -86,7 +86,7 @@ def _norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims,
         saved = float8_tp_input_bytes(dm.linear_rows, h)
     out = [Term(f"{prefix}.output", saved), Term(f"{prefix}.stats", stats)]
     if wl.norm_impl is NormImpl.FUSED:
-        return [Term(f"{prefix}.input", rows * h * compiled.norm_input_e(prefix, dm)), *out]
+        return [Term(f"{prefix}.input", rows * h * compiled.norm_input_e(prefix, dm, spec)), *out]
     # normalise in fp32, cast back to the input's dtype, then weight * normed saves it;
     # litgpt multiplies before the cast, by an fp32 copy of the weight: both saved in fp32
     if wl.norm_impl is NormImpl.UPCAST_FP32:
@@ -245,9 +245,10 @@ class Norm:
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:
+        inside = (compiled.post_norm_backward_bytes(spec, dm)
+                  if dm.compiled and is_post(self.name) else backward_bytes(spec, wl, dm))
         return [BackwardMoment(self.name, saved_at_backward(norm_terms(self.name, spec, wl, dm,
-                                                                       self.copies)),
-                               backward_bytes(spec, wl, dm))]
+                                                                       self.copies)), inside)]
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         return []

@@ -31,3 +31,11 @@ DEEPSEEK_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
                     first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
                     qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_group=2,
                     topk_group=1, rope_scaling=None)
+# OLMo 2 (post norms, full-width q/k norms) at the Llama toy's width: 8 heads of 32, all KV
+# heads (OLMo 2 7B's MHA), the ffn ratio kept (11,008 / 4,096 x 256 = 688)
+OLMO2_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=688,
+                 num_attention_heads=8, num_key_value_heads=8, vocab_size=1000)
+# Gemma 2 (sandwich norms, GeGLU) at the Llama toy's widths: 8 heads of 32, 4 KV heads (9B's
+# GQA 2:1), ffn 896; its sliding window (4,096) longer than the traced sequences
+GEMMA2_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=1000)

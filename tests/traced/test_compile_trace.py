@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hf_configs import LLAMA3_TOY, hf  # tests/traced/hf_configs.py
+from hf_configs import GEMMA2_TOY, LLAMA3_TOY, OLMO2_TOY, hf  # tests/traced/hf_configs.py
 
 from memplan.model.dims import Dims
 from memplan.model.layer import layer_kind
@@ -644,3 +644,119 @@ def test_compiled_full_ac_transformers_output_copy() -> None:
     assert backward - s == 7_491_584
     _, _, traced = compiled_layer_step(TOY, "bfloat16", batch, seq, checkpoint="full")
     assert traced == 7_491_584
+
+
+OLMO2 = hf("OLMo-2-1124-7B", **OLMO2_TOY)
+
+
+@pytest.mark.parametrize("checkpoint,saved,forward,backward", [
+    ("none", 4_759_552, 4_759_552, 5_816_320), ("full", 262_144, 1_839_104, 6_340_608)])
+def test_compiled_post_norm_layer_matches_trace(checkpoint: str, saved: int, forward: int,
+                                                backward: int) -> None:
+    """transformers' ``Olmo2DecoderLayer`` (post norms, full-width q/k norms; h 256, 8 heads
+    of 32, all KV heads, ffn 688) in bf16, compiled, at 2 x 256 tokens (T 512; one kernel per
+    scheduler node), its saved set and phase peaks against memplan's layer
+    (``compiled.post_norm_backward_bytes``, ``with_post_norm_schedule``,
+    ``rerun_whole_mlp``, ``qk_norm_stats_bytes``). By hand, S = T h 2 = 262,144, F = T f 2 =
+    704,512, r = T 4 = 2,048, the logsumexp 2 x 8 x 256 x 4 = 16,384, the down weight's
+    gradient W = h f 2 = 352,256:
+
+    - no recompute: saved 10 S (the layer's input, q and k before their norms, RoPE'd q and
+      k, v, SDPA's output, the output projection's output, the residual sum, the down
+      projection's output) + 3 F (gate, up, product) + 4 r + the logsumexp = 4,759,552 B,
+      the forward's peak (the output in the input's place); the backward's at the MLP's
+      fused kernel: the saved set, the product freed and its gradient and the gate's made,
+      the MLP post norm's input and statistics still alive (its weight gradient later), W:
+      + F + W = 5,816,320 B. Before: refused; the refusal lifted, the eager moments gave
+      5,552,640 B (-4.5%: the post norm's input freed at its own backward);
+    - full recompute, the checkpoint inside the compiled graph (transformers' gradient
+      checkpointing under the Trainer's ``torch_compile``): saved the input; forward at
+      RoPE's kernel 7 S + the q and k norms' statistics 2 r = 1,839,104 B (before, without
+      them: -0.2%); backward at the down weight's gradient: the rerun's whole MLP
+      (the saved set's 10 S, 3 F, 4 r and logsumexp, SiLU(gate) F, SDPA output's
+      token-major copy S), the output's held place S and the post norm's input gradient S,
+      W: 12 S + 4 F + 4 r + 16,384 + W = 6,340,608 B (before, the pre-norm rerun's kernel
+      order: 6,871,552 B, +8.4%; +13% at 2 x 1,024). At 2 x 64 tokens Inductor orders the
+      weight gradients otherwise (benchmarks/compiled_backward.py: none +3.6%, full -3.9%),
+      not modelled."""
+    from memplan.model.layer import grad_group_params
+    from memplan.profile.compiled_trace import compiled_layer_step
+
+    s, f, r, w = 262_144, 704_512, 2_048, 352_256
+    if checkpoint == "none":
+        assert saved == forward == 10 * s + 3 * f + 4 * r + 16_384
+        assert backward == saved + f + w
+    else:
+        assert forward == 7 * s + 2 * r
+        assert backward == 12 * s + 4 * f + 4 * r + 16_384 + w
+    batch, seq = 2, 256
+    spec = spec_from_hf_dict(OLMO2, "olmo2-toy", "olmo2-toy")
+    recompute = Recompute(checkpoint)
+    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure",
+                  recompute=recompute, compile=True)
+    from memplan.parallel import validate
+
+    validate(spec, ParallelConfig(), wl)  # no longer refused
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, recompute)
+    groups = grad_group_params(spec, 1, 1, False)
+    model_backward = max(m.alive_bytes + m.transient_bytes
+                         + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    assert kind.saved_bytes == saved
+    assert kind.forward_peak_bytes - s == forward
+    assert model_backward - s == backward
+    traced_saved, traced_forward, traced_backward = compiled_layer_step(
+        OLMO2, "bfloat16", batch, seq, checkpoint=checkpoint)
+    stream = (batch, seq, 256)
+    assert sum(t.size_bytes for t in traced_saved
+               if not t.graph_input or t.shape == stream) == saved
+    assert (traced_forward, traced_backward) == (forward, backward)
+
+
+GEMMA2 = hf("gemma-2-9b", **GEMMA2_TOY)
+
+
+def test_compiled_sandwich_layer_matches_trace() -> None:
+    """transformers' ``Gemma2DecoderLayer`` (sandwich norms: input, post-attention,
+    pre-feedforward, post-feedforward RMSNorms scaling by 1 + weight in fp32; GeGLU with
+    ``gelu_pytorch_tanh``; h 256, 8 heads of 32, 4 KV heads, ffn 896) in bf16, compiled, no
+    recompute, at 2 x 256 tokens (T 512, one kernel per scheduler node; its window, 4,096,
+    longer than the sequence: no mask, as transformers skips it). By hand, S = T h 2 =
+    262,144, K = T 128 2 = 131,072 (k and v), F = T f 2 = 917,504, r = T 4 = 2,048, the
+    logsumexp 2 x 8 x 256 x 4 = 16,384, the down weight's gradient W = h f 2 = 458,752:
+
+    - saved 7 S (the layer's input, the input norm's output, RoPE'd q, SDPA's output, the
+      output projection's output, the pre-feedforward norm's output, the down projection's
+      output) + 2 K + 3 F + 4 r + the logsumexp = 4,874,240 B, the forward's peak; the
+      residual sum the pre-feedforward norm reads is not saved (``compiled.norm_input_e``:
+      before, counted: +5.4%);
+    - backward at the MLP's fused kernel: the saved set less the MLP post norm's input and
+      statistic (its weight gradient made first, its input gradient written into its
+      input's buffer: ``with_post_norm_schedule``) and the product, with the product's and
+      the gate's gradients, W and that norm's weight gradient (h 2 = 512): 4,874,240 - S - r
+      - F + 2 F + W + 512 = 5,986,816 B (before, the eager GeGLU moments: +19.7%)."""
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from memplan.profile.compiled_trace import compiled_layer_step
+
+    s, k, f, r, w = 262_144, 131_072, 917_504, 2_048, 458_752
+    saved = 7 * s + 2 * k + 3 * f + 4 * r + 16_384
+    backward = saved - s - r + f + w + 512
+    assert (saved, backward) == (4_874_240, 5_986_816)
+    batch, seq = 2, 256
+    spec = spec_from_hf_dict(GEMMA2, "gemma2-toy", "gemma2-toy")
+    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure", compile=True)
+    validate(spec, ParallelConfig(), wl)  # no longer refused
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, Recompute.NONE)
+    groups = grad_group_params(spec, 1, 1, False)
+    model_backward = max(m.alive_bytes + m.transient_bytes
+                         + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    assert kind.saved_bytes == kind.forward_peak_bytes - s == saved
+    assert model_backward - s == backward
+    traced_saved, traced_forward, traced_backward = compiled_layer_step(
+        GEMMA2, "bfloat16", batch, seq)
+    stream = (batch, seq, 256)
+    assert sum(t.size_bytes for t in traced_saved
+               if not t.graph_input or t.shape == stream) == saved
+    assert (traced_forward, traced_backward) == (saved, backward)

@@ -14,7 +14,7 @@ from memplan.errors import LayoutError
 from memplan.model.dims import Dims, total
 from memplan.model.layer import layer_kind, layer_terms
 from memplan.parallel import ParallelConfig, validate
-from memplan.spec import load_model
+from memplan.spec import ModelSpec, load_model
 from memplan.workload import Float8Recipe, Recompute, SelectiveImpl, Workload
 
 TINY = load_model("tiny")
@@ -442,3 +442,150 @@ def test_autocast_deferred_mlp_holds_what_its_weight_gradients_read() -> None:
         ("attn_in", 83_978, ("mlp_norm", "attn")),
         ("compiled_end", 0, ("mlp", "mlp_norm", "attn"))]
     assert with_deferred_mlp(moments, TINY, WL, DM) == moments
+
+
+# OLMo 2's layer on the tiny widths (``NormPlacement.POST``: no norm before the mixers, an
+# RMSNorm after each; q/k norms over the whole projection), traced on transformers'
+# Olmo2DecoderLayer in tests/traced/test_compile_trace.py
+POST = ModelSpec.model_validate({**TINY.model_dump(), "norm_placement": "post",
+                                 "qk_norm": "full"})
+
+
+def _post_kind(recompute: str):
+    wl = Workload.model_validate({**WL.model_dump(), "recompute": recompute})
+    validate(POST, ParallelConfig(), wl)  # no longer refused
+    dm = Dims.of(POST, ParallelConfig(), wl)
+    return {m.name: m for m in layer_kind(POST, wl, dm, False, Recompute(recompute)).moments}
+
+
+def test_compiled_post_norm_layer_terms() -> None:
+    """Without recompute, by hand (S = T*h*e = 8,192, rows fp32 r = 256, F = T*f*e = 22,528):
+    the layer's input (the q/k/v projections read the stream itself) S; q and k before their
+    norms (8,192 and 4,096: matmul outputs, the norms' inputs) with a statistic r each;
+    RoPE'd q 8,192 and k 4,096, v 4,096, SDPA's output 8,192 and logsumexp 1,024; each post
+    norm's input (the output and down projections' outputs, S) and statistic r; the residual
+    sum the MLP reads S; gate, up and their product 3 F: 139,264 B (traced on the OLMo 2
+    toy: the partitioner's saved set, exact)."""
+    wl = Workload.model_validate({**WL.model_dump()})
+    dm = Dims.of(POST, ParallelConfig(), wl)
+    terms = {t.name: t.size_bytes
+             for t in layer_terms(POST, wl, dm, moe_layer=False, recompute=Recompute.NONE)
+             if t.size_bytes}
+    assert terms == {
+        "attn_input.output": 8_192, "attn.q_norm.input": 8_192, "attn.q_norm.stats": 256,
+        "attn.k_norm.input": 4_096, "attn.k_norm.stats": 256, "attn.q": 8_192,
+        "attn.k": 4_096, "attn.v": 4_096, "attn.out": 8_192, "attn.lse": 1_024,
+        "attn_post_norm.input": 8_192, "attn_post_norm.stats": 256,
+        "mlp_input.output": 8_192, "mlp.gate": 22_528, "mlp.up": 22_528,
+        "mlp.prod": 22_528, "mlp_post_norm.input": 8_192, "mlp_post_norm.stats": 256}
+    assert sum(terms.values()) == 139_264
+
+
+def test_compiled_post_norm_backward_moments() -> None:
+    """The compiled post norms' backward (``compiled.post_norm_backward_bytes``,
+    ``with_post_norm_schedule``, ``swiglu_moments``' ``post_grad``), by hand (S 8,192, r
+    256, F 22,528; the saved set 139,264):
+
+    - the MLP post norm's kernel: beside the saved set, the incoming gradient S, its input
+      gradient S and its fp32 row sums r: transient 16,640;
+    - the down projection's grad-input matmul: the product freed (139,264 - F = 116,736,
+      the post norm's input and statistic still alive for its weight gradient's reduction,
+      run after the MLP), the incoming gradient, the product's gradient F and the post
+      norm's input gradient S: 38,912; the down weight's gradient made, the post norm's not;
+    - the MLP's kernel: the post norm's input gradient freed, the gate's gradient new: the
+      incoming S + 2 F = 53,248 beside 116,736;
+    - at the attention post norm's kernel the MLP post norm's weight gradient exists.
+
+    Full recompute inside the compiled graph (``rerun_whole_mlp``): the rerun runs the whole
+    MLP, the product and SiLU(gate) (F) among it, beside the saved set and the token-major
+    copy of SDPA's output (T*q*e = 8,192): 139,264 + F + 8,192 = 169,984 at the rerun's end;
+    at the down projection 147,456 (the product freed, SiLU(gate) alive), the same
+    transient; at the kernel SiLU(gate)'s buffer takes the gate's gradient: 124,928 (the
+    layer not rebuilt's 116,736 + the copy)."""
+    none = _post_kind("none")
+    assert none["mlp_post_norm"].alive_bytes == 139_264
+    assert none["mlp_post_norm"].transient_bytes == 16_640
+    assert (none["mlp"].alive_bytes, none["mlp"].transient_bytes) == (116_736, 38_912)
+    assert none["mlp"].grads_before == ("mlp_out",)
+    assert (none["mlp_act"].alive_bytes, none["mlp_act"].transient_bytes) == (116_736, 53_248)
+    assert "mlp_post_norm" not in none["mlp_in"].grads_before
+    assert "mlp_post_norm" in none["attn_post_norm"].grads_before
+    full = _post_kind("full")
+    assert full["rebuild_out"].alive_bytes == 169_984
+    assert (full["mlp"].alive_bytes, full["mlp"].transient_bytes) == (147_456, 38_912)
+    assert full["mlp_act"].alive_bytes == 124_928
+
+
+def test_compiled_post_norm_checkpointed_forward_holds_the_qk_statistics() -> None:
+    """Checkpointed inside the compiled graph, RoPE's moment holds the q and k norms'
+    statistics (``compiled.qk_norm_stats_bytes``: 2 x T fp32 = 512 B) beside what it holds
+    eagerly; the same layer without q/k norms holds neither."""
+    from memplan.model.compiled import qk_norm_stats_bytes
+
+    wl = Workload.model_validate({**WL.model_dump(), "recompute": "full"})
+    dm = Dims.of(POST, ParallelConfig(), wl)
+    assert qk_norm_stats_bytes(POST, dm) == 512
+    assert qk_norm_stats_bytes(TINY, Dims.of(TINY, ParallelConfig(), wl)) == 0
+    eager = wl.model_copy(update={"compile": False})
+    assert qk_norm_stats_bytes(POST, Dims.of(POST, ParallelConfig(), eager)) == 0
+
+
+@pytest.mark.parametrize(("update", "recompute", "why"), [
+    ({"norm_placement": "sandwich"}, "none", r"sandwich norms and q/k norms full \(traced: none"),
+    ({"qk_norm": "head"}, "none", r"post norms and q/k norms head \(traced: full"),
+    ({"norm_placement": "sandwich", "qk_norm": "none"}, "full",
+     "sandwich norms and recompute full"),
+    ({"sliding_window": 32}, "none", "sliding-window attention over a sequence as long"),
+    ({"qkv_bias": True}, "none", "post norms and biases"),
+    ({"mlp": "geglu"}, "full", "an MLP other than SwiGLU or GeGLU"),
+])
+def test_compiled_post_norms_refuse_what_is_not_traced(update: dict, recompute: str,
+                                                       why: str) -> None:
+    spec = ModelSpec.model_validate({**POST.model_dump(), **update})
+    wl = Workload.model_validate({**WL.model_dump(), "recompute": recompute})
+    with pytest.raises(LayoutError, match=why):
+        validate(spec, ParallelConfig(), wl)
+    # a window longer than the sequence: transformers skips SDPA's mask, as traced
+    validate(ModelSpec.model_validate({**POST.model_dump(), "sliding_window": 33}),
+             ParallelConfig(), WL)
+    amp = WL.model_copy(update={"precision": "amp-bf16"})
+    with pytest.raises(LayoutError, match="post norms and precision amp-bf16"):
+        validate(POST, ParallelConfig(), Workload.model_validate(amp.model_dump()))
+    with pytest.raises(LayoutError, match="post norms, tp 2, cp 1"):
+        validate(POST, ParallelConfig(tp=2), WL)
+
+
+# Gemma 2's layer on the tiny widths: sandwich norms, no q/k norms, GeGLU (traced on
+# transformers' Gemma2DecoderLayer: benchmarks/compiled_backward.py)
+SANDWICH = ModelSpec.model_validate({**TINY.model_dump(), "norm_placement": "sandwich",
+                                     "mlp": "geglu"})
+
+
+def test_compiled_sandwich_layer_terms_and_moments() -> None:
+    """Without recompute, by hand (S = 8,192, r = 256, F = 22,528, k and v 4,096 each): the
+    input norm's input (the layer's) S, statistic r and output S; q (RoPE'd) S, k, v, SDPA's
+    output S, logsumexp 1,024; the post-attention norm's input (the output projection's
+    output) S and r; the pre-feedforward norm's statistic r and output S but not its input,
+    the residual sum, recomputed from the layer's input and the post-attention norm's saved
+    tensors (``compiled.norm_input_e``); gate, up, product 3 F; the post-feedforward norm's
+    input S and r: 7 S + 4 r + 8,192 + 1,024 + 3 F = 135,168 B (the eager-order count with
+    the sum: 143,360).
+
+    Backward: GeGLU's kernels are SwiGLU's (``compiled.swiglu_backward``); the MLP post
+    norm's weight gradient runs at its own backward, its input freed there
+    (``with_post_norm_schedule``: nothing held): at the MLP's kernel the saved set less the
+    post norm's (S + r) and the product, beside the incoming gradient and 2 F: alive
+    135,168 - 8,448 - 22,528 = 104,192, transient 8,192 + 45,056 = 53,248, and the MLP
+    post norm's weight gradient exists."""
+    wl = Workload.model_validate({**WL.model_dump()})
+    validate(SANDWICH, ParallelConfig(), wl)
+    dm = Dims.of(SANDWICH, ParallelConfig(), wl)
+    terms = {t.name: t.size_bytes
+             for t in layer_terms(SANDWICH, wl, dm, moe_layer=False, recompute=Recompute.NONE)
+             if t.size_bytes}
+    assert "mlp_norm.input" not in terms
+    assert sum(terms.values()) == 135_168
+    moments = {m.name: m for m in layer_kind(SANDWICH, wl, dm, False, Recompute.NONE).moments}
+    act = moments["mlp_act"]
+    assert (act.alive_bytes, act.transient_bytes) == (104_192, 53_248)
+    assert "mlp_post_norm" in act.grads_before
