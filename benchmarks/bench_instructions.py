@@ -15,6 +15,15 @@ What it counts (each a fresh interpreter):
 - per estimate: (instructions with 2N estimates - instructions with none) / 2N, over N
   estimates of llama-7b on 64 GPUs and N of a mixed grid (2 models, mbs, tp 1-8, pp 1-4,
   ZeRO 0-3), as ``bench_estimate.py`` runs them;
+- per new configuration: 192 configurations none of which was asked before (llama-7b,
+  llama-3-70b and Mixtral 8x7B; mbs 1, 4; tp 1, 2, 8; pp 1, 2, 4; ZeRO 0, 1, 3; recompute
+  none, full), each asked once, after every module of the model and the planning imported and
+  other models' estimates made (so that neither a module's first import nor a first
+  estimate's set-up is counted; ``NEW``), through ``memplan.estimate``, and the same
+  configurations asked again with the result cache (``cached_estimate``, where the checkout
+  has one) cleared: the per-layout caches warm, as in a sweep; and the model alone
+  (``memplan.model.estimate.estimate`` on inputs built before), first and again. The other
+  figure above (``WORK``) repeats four llama-7b configurations, which a result cache answers;
 - the cold commands ``memplan estimate --model llama-7b --gpus 64`` and ``... --json``;
 - with ``--plan MODEL:GPUS`` (repeatable), per case: the first ``memplan.plan(MODEL,
   gpus=GPUS, top=10)`` in process (instructions with the call - without it, the model and
@@ -47,6 +56,61 @@ for i in range(n):
 for model, mbs, tp, pp, zero in grid[:n]:
     memplan.estimate(model, gpus=8 * tp * pp, tp=tp, pp=pp, zero=zero, micro_batch_size=mbs)
 """
+
+
+# One fresh interpreter: argv[1] "none" (the set-up alone), "api" (each new configuration
+# once through memplan.estimate), "api2" (then again, the result cache cleared), "inputs"
+# (the set-up and the configurations' typed inputs), "model" and "model2" (then the model's
+# own estimate of each, once and twice).
+NEW = """
+import importlib, itertools, pkgutil, sys
+import memplan
+from memplan.api import resolve
+from memplan.model import estimate as E
+mode = sys.argv[1]
+gpu = memplan.load_gpu("h100-sxm")
+models = ["llama-7b", "llama-3-70b", "mixtral-8x7b"]
+for m in models:
+    memplan.load_model(m)
+grid = list(itertools.product(models, [1, 4], [1, 2, 8], [1, 2, 4], [0, 1, 3],
+                              ["none", "full"]))[:192]
+for name in ("memplan.model", "memplan.planning"):
+    try:
+        package = importlib.import_module(name)
+    except ModuleNotFoundError:  # (a checkout before the planning package)
+        continue
+    for info in pkgutil.iter_modules(package.__path__, name + "."):
+        importlib.import_module(info.name)
+for model in ("gpt2", "qwen1.5-moe-a2.7b"):
+    for zero, pp, rc in itertools.product((0, 1, 3), (1, 2), ("none", "full")):
+        memplan.estimate(model, gpus=8 * pp, tp=2, pp=pp, zero=zero, recompute=rc)
+kw = [dict(gpus=8 * tp * pp, tp=tp, pp=pp, zero=zero, micro_batch_size=mbs, recompute=rc)
+      for _, mbs, tp, pp, zero, rc in grid]
+inputs = ([resolve(m, **k) for (m, *_), k in zip(grid, kw)]
+          if mode.startswith(("model", "inputs")) else [])
+for _ in range(2 if mode.endswith("2") else 0 if mode in ("none", "inputs") else 1):
+    if mode.startswith("api"):
+        for (m, *_), k in zip(grid, kw):
+            memplan.estimate(m, **k)
+        if hasattr(E, "cached_estimate"):
+            E.cached_estimate.cache_clear()
+    else:
+        for spec, par, wl in inputs:
+            E.estimate(spec, gpu, par, wl)
+"""
+NEW_COUNT = 192
+
+
+def new_rows(tree: Path) -> list[tuple[str, int]]:
+    """Per new configuration (``NEW``): through the API and the model alone, first and again."""
+    count = {mode: instructions(["-c", NEW, mode], tree)
+             for mode in ("none", "api", "api2", "inputs", "model", "model2")}
+    return [
+        ("per new configuration, memplan.estimate", (count["api"] - count["none"]) // NEW_COUNT),
+        ("  the same again, result cache cleared", (count["api2"] - count["api"]) // NEW_COUNT),
+        ("  the model alone, first", (count["model"] - count["inputs"]) // NEW_COUNT),
+        ("  the model alone, again", (count["model2"] - count["model"]) // NEW_COUNT),
+    ]
 
 
 # One fresh interpreter: the model and GPU looked up, then (argv[3] != "none") one plan.
@@ -120,6 +184,7 @@ def main() -> int:
         *rows,
         ("import memplan", instructions(["-c", "import memplan"], tree)),
         ("per estimate (mean of the two kinds)", (loaded - base) // (2 * args.n)),
+        *new_rows(tree),
         ("cold `memplan estimate --model llama-7b --gpus 64`",
          instructions(["-m", "memplan", "estimate", "--model", "llama-7b", "--gpus", "64"],
                       tree)),
