@@ -1111,3 +1111,34 @@ def test_emitted_policy_on_transformers_granite_moe(precision: str, save: str,
     _assert_rows_within(result.rows)
     row = result.row("activations_bytes")
     assert row.estimated_bytes == row.measured_bytes, row
+
+
+# Granite 4.0-H's dense Mamba2 layers beside its attention layer (models/granitemoehybrid/
+# modeling_granitemoehybrid.py: GraniteMoeHybridMambaLayer.torch_forward, transformers 5.3's
+# naive chunked scan, the CPU path without mamba_ssm and causal-conv1d; the shared MLP alone,
+# num_local_experts 0), narrowed to 3 layers (Mamba2, attention, Mamba2), h 128, 4 / 2 heads
+# of 32, the mixer's 4 heads of 64 (d 256), state 32, chunks of 48 (the last one padded), the
+# shared MLP's 256, a 64-token vocabulary: the Mamba layers' items (memplan.model.sac_mamba:
+# in_proj's output, the conv's padded output as aten.convolution, silu's output, out_proj's
+# input and output; the scan's and the gated norm's ops counted, never kept) and the attention
+# layer's own, a list per kind (mamba:, attn:). Before, refused ("Mamba layers").
+GRANITE_H_TOY = dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                     num_local_experts=0, shared_intermediate_size=256, hidden_size=128,
+                     intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, mamba_n_heads=4, mamba_d_head=64, mamba_d_state=32,
+                     mamba_chunk_size=48, vocab_size=64, pad_token_id=None)
+MAMBA_GRID = [("bf16-pure", 512, "mamba:mamba.in_proj,mamba:mamba.conv_out,mamba:norms,"
+                                 "attn:attention"),
+              ("fp32", 512, "mamba:mamba.act,mamba:mamba.out,mamba:mamba.out_proj,mamba:mlp,"
+                            "attn:attn.v"),
+              ("amp-bf16", 512, "mamba:mamba.in_proj,mamba:mamba.conv_out,mamba:mamba.act,"
+                                "mamba:mamba.out_proj,attn:attn.k,mlp.up")]
+
+
+@pytest.mark.parametrize(("precision", "seq", "save"), MAMBA_GRID,
+                         ids=[f"{p}-{n}-{s or 'input'}" for p, n, s in MAMBA_GRID])
+def test_emitted_policy_on_mamba_layers(precision: str, seq: int, save: str) -> None:
+    pytest.importorskip("transformers")
+    config = hf("heldout/granite-4.0-h-tiny", **GRANITE_H_TOY)
+    case = _ops_case(config, "granite-h-ops-toy", precision, seq, save, {"mamba", "attn"})
+    _assert_rows_within(compare_framework(case).rows)
