@@ -41,7 +41,7 @@ are the attention layers' (``sac_ops.layer_ops``).
 from __future__ import annotations
 
 from memplan.model.dims import Dims, Term
-from memplan.model.mamba import sizes
+from memplan.model.mamba import Mamba, sizes
 from memplan.model.sac_mla import CAT
 from memplan.model.sac_ops import (ACTIVATION, CONV, COPY, MATMUL, PRODUCT, RSQRT, SHIFT, Item,
                                    _fp32_ops, _norm_ops, _norms_nameable, _unkept, numbered)
@@ -117,3 +117,10 @@ def mamba_layer_ops(spec: ModelSpec, wl: Workload, dm: Dims, saved: tuple[Term, 
     out += _norm_ops("mlp_norm", terms, h, h, named, fp32_ops=fp32)
     out += [i for i in attention_ops if i.block == "mlp"]
     return numbered(out)
+
+
+def scan_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+    """The forward FLOPs of one token through the chunked scan, which the rerun spends
+    whatever a list keeps (no item keeps the scan: its saved tensors are the backward's):
+    ``memplan.model.mamba.Mamba.core_flops_per_token``."""
+    return Mamba().core_flops_per_token(spec, seq_len)

@@ -142,6 +142,7 @@ class Item(NamedTuple):
 def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why op-level checkpointing is not modelled for ``spec`` and ``wl``, or None."""
     moe_why = moe_refusal(spec, wl) if spec.moe is not None else None
+    mamba_why = mamba_refusal(spec, wl) if spec.mamba is not None else None
     checks = (
         (moe_why is not None, moe_why or ""),
         (spec.mla is not None and wl.precision.policy.autocast is not None,
@@ -151,8 +152,7 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
                                           or not spec.norm_placement.pre_norm),
          "short-convolution layers with biases, MoE blocks or post norms (modelled as LFM2's "
          "Lfm2ShortConv.slow_forward runs them: memplan.model.sac_conv)"),
-        (spec.mamba is not None and mamba_refusal(spec, wl) is not None,
-         mamba_refusal(spec, wl) or ""),
+        (mamba_why is not None, mamba_why or ""),
         (spec.norm_placement.post_norm and spec.moe is not None,
          f"{spec.norm_placement.value} norms around MoE blocks"),
         (spec.norm_placement.post_norm and not _post_norms_modelled(spec, wl),
@@ -274,8 +274,9 @@ def check_supported(spec: ModelSpec, wl: Workload) -> None:
         raise LayoutError("recompute ops is not modelled with this layer",
                           f"recompute ops with {why}: op-level checkpointing is modelled for "
                           "pre-, sandwich and post-norm and parallel layers with SDPA, eager "
-                          "or MLA attention (or LFM2's short convolutions) and a dense MLP or "
-                          "transformers' grouped experts, without LoRA or compile")
+                          "or MLA attention (or LFM2's short convolutions, Granite 4.0-H's "
+                          "Mamba2 layers) and a dense MLP or transformers' grouped experts, "
+                          "without LoRA or compile")
 
 
 def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False

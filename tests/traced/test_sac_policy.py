@@ -767,25 +767,27 @@ def test_emitted_policy_on_fused_gate_up(model: str, precision: str, save: str) 
 
 
 def _ops_case(config: dict, key: str, precision: str, seq: int, save: str,
-              scopes: set[str] | None = None, auto_seq: int | None = None) -> FrameworkCase:
+              scopes: set[str] | None = None, auto_seq: int | None = None,
+              **workload) -> FrameworkCase:
     """The op-level case of ``config`` keeping ``save``; "auto": the midway save list of
-    ``_midway_list`` (at ``auto_seq`` tokens, else ``seq``), which names every layer kind of
+    ``_midway_list`` (at ``auto_seq`` tokens, else ``seq``; ``workload``: its fields the
+    trace reads off the model, e.g. ``mamba_kernel``), which names every layer kind of
     ``scopes`` where given."""
     if save == "auto":
-        save = _midway_list(config, precision, auto_seq or seq)
+        save = _midway_list(config, precision, auto_seq or seq, **workload)
         assert scopes is None or {n.split(":")[0] for n in save.split(",")} == scopes
     return FrameworkCase("transformers", key, config, precision, 2, seq,
                          options={"recompute": "ops", "recompute_save": save})
 
 
-def _midway_list(config: dict, precision: str, seq: int = 1024) -> str:
+def _midway_list(config: dict, precision: str, seq: int = 1024, **workload) -> str:
     """The list ``--recompute auto`` chooses for ``config`` at 2 x ``seq`` tokens midway
-    between full recompute's peak and no recompute's."""
+    between full recompute's peak and no recompute's (``workload``: more fields)."""
     from memplan.api import estimate
     from memplan.spec import spec_from_hf_dict
 
     spec = spec_from_hf_dict(config, "config.json", "auto-toy")
-    kw = dict(framework="hf", precision=precision, micro_batch_size=2, seq_len=seq)
+    kw = dict(framework="hf", precision=precision, micro_batch_size=2, seq_len=seq, **workload)
     full = estimate(spec, recompute="full", **kw).peak_bytes
     none = estimate(spec, recompute="none", **kw).peak_bytes
     est = estimate(spec, recompute="auto", gpu_memory=(full + none) // 2, **kw)
