@@ -1123,7 +1123,17 @@ def test_emitted_policy_on_transformers_granite_moe(precision: str, save: str,
 # shared MLP's 256, a 64-token vocabulary: the Mamba layers' items (memplan.model.sac_mamba:
 # in_proj's output, the conv's padded output as aten.convolution, silu's output, out_proj's
 # input and output; the scan's and the gated norm's ops counted, never kept) and the attention
-# layer's own, a list per kind (mamba:, attn:). Before, refused ("Mamba layers").
+# layer's own, a list per kind (mamba:, attn:). Before, refused ("Mamba layers"). Measured
+# (steady step): saved activations exact in every case (bf16 11,091,464 B, fp32 17,850,376 B,
+# amp-bf16 11,992,584 B below); the forward 0.50-0.57% under, the backward 0.60-0.68% over,
+# to the byte full recompute's own on the toy (bf16 and fp32 -532,448 B and +819,488 B,
+# amp-bf16 -540,640 B and +857,888 B). Measured beside them, not in the suite (time): d = h =
+# f (mamba_expand 1, h 256: the gated norm's casts and products counted with the layer norms'
+# and the MLP's; "mamba:norms,mamba:mamba.out,mamba:mamba.in_proj,attn:attn.q", 16,048,136 B
+# exact), f = C (shared_intermediate_size 320: silu's act among the MLP's; "mamba:mamba.act,
+# mamba:mlp.act,mamba:mamba.out_proj,attn:mlp.act", 5,922,824 B exact) and the bf16 list
+# --recompute auto chooses midway (_midway_list with mamba_kernel torch: every item but
+# mamba.conv_out, 21,053,448 B exact), each phase as full recompute's own.
 GRANITE_H_TOY = dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
                      num_local_experts=0, shared_intermediate_size=256, hidden_size=128,
                      intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
