@@ -46,9 +46,9 @@ KW = dict(seq_len=1024, micro_batch_size=2, precision="bf16-pure", framework="hf
           mamba_kernel="torch")
 
 
-def _mamba_items(precision: str = "bf16-pure") -> dict[str, sac_ops.Item]:
+def _mamba_items(precision: str = "bf16-pure", tp: int = 1) -> dict[str, sac_ops.Item]:
     wl = make_workload(GRANITE_H, **{**KW, "precision": precision}, recompute="ops")
-    dm = Dims.of(GRANITE_H, ParallelConfig(), wl)
+    dm = Dims.of(GRANITE_H, ParallelConfig(tp=tp), wl)
     return {i.name: i for i in ops_items(GRANITE_H, wl, dm, False, "linear")
             if i.name.startswith("mamba.")}
 
@@ -69,6 +69,21 @@ def test_mamba_items_by_hand() -> None:
 def test_mamba_out_in_fp32() -> None:
     out = _mamba_items("fp32")["mamba.out"]
     assert (out.size_bytes, out.op, out.width, out.nth) == (25_165_824, "mul", 3072, 2)
+
+
+def test_mamba_items_on_two_tensor_parallel_ranks() -> None:
+    """tp 2 (``memplan.model.mamba.sizes``): 24 heads (d = 1,536), the one group on every
+    rank (1 is not divisible by 2): W = 1,536 + 1,536 + 256 + 24 = 3,352, in_proj's output
+    2,048 x 3,352 x 2 = 13,729,792 B (2 x 1,536 x 3,352 = 10,297,344 FLOPs); C = 1,792, the
+    conv's 2 x 1,792 x 1,027 x 2 = 7,361,536 B; out_proj's output the full partial sum,
+    6,291,456 B, 2 x 1,536 x 1,536 = 4,718,592 FLOPs."""
+    items = _mamba_items(tp=2)
+    assert (items["mamba.in_proj"].size_bytes, items["mamba.in_proj"].width,
+            items["mamba.in_proj"].flops_per_token) == (13_729_792, 3352, 10_297_344.0)
+    assert (items["mamba.conv_out"].size_bytes, items["mamba.conv_out"].width) == \
+        (7_361_536, 1792)
+    assert (items["mamba.out_proj"].size_bytes, items["mamba.out_proj"].flops_per_token) == \
+        (6_291_456, 4_718_592.0)
 
 
 def test_layer_kinds_and_scopes() -> None:
@@ -112,3 +127,15 @@ def test_refused(model: str | None, options: dict, why: str) -> None:
     spec = load_model(model) if model else GRANITE_H
     with pytest.raises(LayoutError, match=why):
         estimate(spec, **{**KW, **options}, recompute="ops")
+
+
+def test_the_scan_reruns_whatever_is_kept() -> None:
+    """Every item of both kinds kept, the rerun spends the 36 Mamba layers' scans alone
+    (``memplan.planning.timing.ops_rerun_flops``, per layer over the 40): chunks of c = 256,
+    2 x (c H (n + 1 + P) + 2 H P n) = 2 x (256 x 48 x 193 + 2 x 48 x 64 x 128) = 2 x
+    (2,371,584 + 786,432) = 6,316,032 FLOPs a token; 36 x 6,316,032 / 40 = 5,684,428.8."""
+    from memplan.planning.timing import ops_rerun_flops
+
+    every = ",".join(f"{k}:{g}" for k in ("mamba", "attn") for g in ("attention", "mlp", "norms"))
+    wl = make_workload(GRANITE_H, **KW, recompute="ops", recompute_save=every)
+    assert ops_rerun_flops(GRANITE_H, wl) == pytest.approx(5_684_428.8)
