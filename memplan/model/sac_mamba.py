@@ -9,7 +9,7 @@ order with their families and output widths as the emitted policy's ``_key`` see
     projected_states = self.in_proj(input_states)        # mm, W = 2d + 2Gn + H: mamba.in_proj
     conv = self.conv1d(xBC.transpose(1, 2))              # convolution, C: mamba.conv_out
     xBC = self.act(conv[..., :s].transpose(1, 2))        # silu, C: mamba.act
-    A = -torch.exp(self.A_log.float())                   # (below fp32) copy, H
+    A = -torch.exp(self.A_log.float())                   # (16-bit weights) copy, H
     x, B, C = x.float(), B.float(), C.float()            # (below fp32) copy P, n, n
     D_residual = D[..., None] * pad(x); x = x * dt[..., None]    # mul P, mul P
     A = A * dt                                                   # mul H
@@ -24,7 +24,8 @@ order with their families and output widths as the emitted policy's ``_key`` see
     out_proj(scan_output.to(dtype))                       # copy d (below fp32): mamba.out;
                                                           # mm, h: mamba.out_proj
 
-(the exps, cumsums, pads and sums are no ops a policy counts). Each output a layer can keep
+(the exps, cumsums, pads, clamps, softplus and sums are no ops a policy counts; the
+widths read off a trace of the toy in tests/traced/test_sac_policy.py). Each output a layer can keep
 is an item: ``mamba.in_proj`` (in_proj's output, which the gate, x B C and dt view: a local
 to the mixer's end), ``mamba.conv_out`` (the conv's padded output, b C (s + K - 1): freed
 once silu has read its slice, so kept it adds to the mixer's working set), ``mamba.act``
