@@ -1131,7 +1131,9 @@ def test_emitted_policy_on_transformers_granite_moe(precision: str, save: str,
 # f (mamba_expand 1, h 256: the gated norm's casts and products counted with the layer norms'
 # and the MLP's; "mamba:norms,mamba:mamba.out,mamba:mamba.in_proj,attn:attn.q", 16,048,136 B
 # exact), f = C (shared_intermediate_size 320: silu's act among the MLP's; "mamba:mamba.act,
-# mamba:mlp.act,mamba:mamba.out_proj,attn:mlp.act", 5,922,824 B exact) and the bf16 list
+# mamba:mlp.act,mamba:mamba.out_proj,attn:mlp.act", 5,922,824 B exact), two groups
+# (mamba_n_groups 2: B and C repeated to the heads; "mamba:mamba.in_proj,mamba:mamba.conv_out,
+# mamba:mamba.out,mamba:mlp.gate_up,attn:attn.out", 9,765,896 B exact) and the bf16 list
 # --recompute auto chooses midway (_midway_list with mamba_kernel torch: every item but
 # mamba.conv_out, 21,053,448 B exact), each phase as full recompute's own.
 GRANITE_H_TOY = dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
