@@ -36,7 +36,7 @@ from memplan.model.attention import (
     held_weights_bytes,
     windowed,
 )
-from memplan.model import compiled, linear, sac_conv, sac_moe, sac_ops
+from memplan.model import compiled, linear, sac_conv, sac_mamba, sac_moe, sac_ops
 from memplan.model.deltanet import cache_states_bytes
 from memplan.model.block import BackwardMoment, Block
 from memplan.model.deltanet import DeltaNet, deltanet_linears
@@ -645,7 +645,8 @@ def ops_items(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool | None = None,
               variant: str | None = None) -> tuple[sac_ops.Item, ...]:
     """What a layer under ``Recompute.OPS`` can keep (``memplan.model.sac_ops``): a dense
     layer's, or with ``moe`` an MoE layer's; by default the model's searched kind
-    (``searched_moe``); ``variant`` "linear": a short-convolution layer's (``sac_conv``).
+    (``searched_moe``); ``variant`` "linear": a short-convolution layer's (``sac_conv``)
+    or a Mamba2 layer's (``sac_mamba``).
     Cached: a plan asks per fit and probe."""
     sac_ops.check_supported(spec, wl)
     moe = sac_ops.searched_moe(spec) if moe is None else moe
@@ -671,20 +672,24 @@ def _layer_ops(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str 
     saved = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE,
                               variant=terms_variant))
     ops = sac_ops.layer_ops(spec, wl, dm, saved, moe, variant == "nope")
-    if variant != "linear" or spec.short_conv is None:
+    if variant != "linear" or sac_ops.linear_kind(spec) is None:
         return saved, ops
-    conv = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE,
-                             variant="linear"))
-    return conv, sac_conv.conv_layer_ops(spec, wl, dm, conv, ops)
+    lin = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE,
+                            variant="linear"))
+    build = (sac_conv.conv_layer_ops if spec.short_conv is not None
+             else sac_mamba.mamba_layer_ops)
+    return lin, build(spec, wl, dm, lin, ops)
 
 
 def ops_kinds(spec: ModelSpec) -> tuple[tuple[str, bool, int], ...]:
     """The layer kinds of ``spec`` a save list scopes (``sac_ops.KINDS``), as (kind, MoE
     layer, how many layers): one where its layers are all alike. A model with
-    short-convolution layers (LFM2): its attention layers, then its convolution layers."""
-    if spec.short_conv is not None:
+    short-convolution or Mamba2 layers (LFM2, Granite 4.0-H: ``sac_ops.linear_kind``): its
+    attention layers, then its other layers."""
+    linear = sac_ops.linear_kind(spec)
+    if linear is not None:
         kinds = [sac_ops.layer_kind_of(spec, i) for i in range(spec.num_layers)]
-        return tuple((kind, False, kinds.count(kind)) for kind in ("attn", "conv")
+        return tuple((kind, False, kinds.count(kind)) for kind in ("attn", linear)
                      if kind in kinds)
     if spec.moe is None or sac_ops.searched_moe(spec):
         return (("moe" if spec.moe is not None else "dense", spec.moe is not None,
@@ -762,9 +767,10 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     also keeps the outputs its save list names; the rerun serves them from the cache, so its
     backward is the full recompute's."""
     full = layer_kind(spec, wl, dm, moe, Recompute.FULL, variant)
-    conv = variant == "linear" and spec.short_conv is not None  # (sac_ops.kind_variant)
-    items = ops_items(spec, wl, dm, moe, "linear" if conv else "")
-    kind = ("conv" if conv else "attn") if spec.short_conv is not None else (
+    linear = sac_ops.linear_kind(spec)
+    lin = variant == "linear" and linear is not None  # (sac_ops.kind_variant)
+    items = ops_items(spec, wl, dm, moe, "linear" if lin else "")
+    kind = (linear if lin else "attn") if linear is not None else (
         "moe" if moe else "dense")
     if rope_normed(spec) and variant == "":  # a NoPE layer (``_layer_ops``)
         items, kept = ops_kept(spec, wl, dm, moe, "nope", kind, wl.recompute_save)
@@ -977,7 +983,8 @@ def ops_forward_peaks(spec: ModelSpec, wl: Workload, dm: Dims,
         kept = [tuple(by_name[n] for n in c.kept if n in by_name) for c in sets]
         sizes.append([sum(i.size_bytes for i in k) for k in kept])
         # (a short-convolution layer is its own variant: ``layer_blocks``)
-        for variant in (sac_ops.kind_variant(kind),) if kind == "conv" else variants:
+        for variant in ((sac_ops.kind_variant(kind),) if sac_ops.kind_variant(kind)
+                        else variants):
             fw = _ops_forward(spec, _unsaved(wl), dm, moe, variant)
             mine, kept_here = items, kept
             if rope_normed(spec) and variant == "":  # a NoPE layer: its own items

@@ -68,7 +68,9 @@ outputs anyway (``input_held``). Dropout on each mixer's output is no item: the 
 its mask from the forward's restored RNG state, the MLP's through its down projection (an
 item, ``mlp.down``, as with post norms). A multi-head latent attention block's ops (DeepSeek-V3's:
 its down and up projections, latent norms, the query's and key's concatenations, the kernel)
-are ``memplan.model.sac_mla``'s. An eager attention core (transformers'
+are ``memplan.model.sac_mla``'s; a hybrid model's other layers' (``linear_kind``) those of
+``memplan.model.sac_conv`` (LFM2) and ``memplan.model.sac_mamba`` (Granite 4.0-H's Mamba2
+layers). An eager attention core (transformers'
 ``eager_attention_forward``) is named op by op in place of SDPA's kernel (``_eager_core_ops``:
 its bmms, softmax, cast and dropout; Gemma 2's logit soft-capping, ``_softcap_ops``; a
 sliding window only its mask), its moments with what each kept output adds
@@ -142,6 +144,7 @@ class Item(NamedTuple):
 def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why op-level checkpointing is not modelled for ``spec`` and ``wl``, or None."""
     moe_why = moe_refusal(spec, wl) if spec.moe is not None else None
+    mamba_why = mamba_refusal(spec, wl) if spec.mamba is not None else None
     checks = (
         (moe_why is not None, moe_why or ""),
         (spec.mla is not None and wl.precision.policy.autocast is not None,
@@ -151,7 +154,7 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
                                           or not spec.norm_placement.pre_norm),
          "short-convolution layers with biases, MoE blocks or post norms (modelled as LFM2's "
          "Lfm2ShortConv.slow_forward runs them: memplan.model.sac_conv)"),
-        (spec.mamba is not None, "Mamba layers"),
+        (mamba_why is not None, mamba_why or ""),
         (spec.norm_placement.post_norm and spec.moe is not None,
          f"{spec.norm_placement.value} norms around MoE blocks"),
         (spec.norm_placement.post_norm and not _post_norms_modelled(spec, wl),
@@ -180,6 +183,24 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          f"the {spec.activation_impl.value} activation's saved tensors"),
     )
     return next((why for cond, why in checks if cond), None)
+
+
+def mamba_refusal(spec: ModelSpec, wl: Workload) -> str | None:
+    """Why a model's Mamba2 layers' ops are not modelled (``memplan.model.sac_mamba``: Granite
+    4.0-H's dense layers on transformers 5.3's torch_forward), or None."""
+    m = spec.mamba
+    assert m is not None
+    checks = ((m.parallel_attention, "Mamba2 mixers beside attention in one layer (Falcon-H1)"),
+              (spec.moe is not None, "Mamba layers with MoE blocks"),
+              (wl.mamba_kernel.value != "torch",
+               f"Mamba layers on mamba_kernel {wl.mamba_kernel.value}"),
+              (not m.gated_norm or not spec.norm_placement.pre_norm,
+               "Mamba layers without the gated norm or with post norms"))
+    why = next((why for cond, why in checks if cond), None)
+    return None if why is None else (
+        f"{why} (modelled: Granite 4.0-H's dense Mamba2 layers as transformers 5.3's "
+        "GraniteMoeHybridMambaLayer.torch_forward runs them, mamba_kernel torch: "
+        "memplan.model.sac_mamba)")
 
 
 def _post_norms_modelled(spec: ModelSpec, wl: Workload) -> bool:
@@ -255,8 +276,9 @@ def check_supported(spec: ModelSpec, wl: Workload) -> None:
         raise LayoutError("recompute ops is not modelled with this layer",
                           f"recompute ops with {why}: op-level checkpointing is modelled for "
                           "pre-, sandwich and post-norm and parallel layers with SDPA, eager "
-                          "or MLA attention (or LFM2's short convolutions) and a dense MLP or "
-                          "transformers' grouped experts, without LoRA or compile")
+                          "or MLA attention (or LFM2's short convolutions, Granite 4.0-H's "
+                          "Mamba2 layers) and a dense MLP or transformers' grouped experts, "
+                          "without LoRA or compile")
 
 
 def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
@@ -672,7 +694,7 @@ def valid_names(items: tuple[Item, ...]) -> list[str]:
 # a save list's name may be scoped ``SCOPE:name`` (scopes may nest: ``stage1:dense:attn.q``):
 # a layer kind (``KINDS``: dense and MoE layers) or a pipeline stage (``stage0``, ``stage1``,
 # ...); a layer keeps the unscoped names and those scoped to its kind and its stage
-KINDS = ("dense", "moe", "conv", "attn")
+KINDS = ("dense", "moe", "conv", "mamba", "attn")
 STAGE = "stage"
 
 
@@ -729,24 +751,35 @@ def check_scopes(save: tuple[str, ...], spec: ModelSpec, pp: int) -> None:
                     f"stage (stage0, stage1, ...)")
 
 
-def layer_kind_of(spec: ModelSpec, index: int) -> str:
-    """The kind (``KINDS``) of layer ``index``: in a model with short-convolution layers
-    (LFM2: ``ModelSpec.short_conv``) "conv" or "attn", the attention layers; else "moe" or
-    "dense"."""
+def linear_kind(spec: ModelSpec) -> str | None:
+    """The kind (``KINDS``) of a hybrid model's layers without attention: "conv", LFM2's
+    short convolutions (``ModelSpec.short_conv``); "mamba", Granite 4.0-H's Mamba2 layers
+    (``ModelSpec.mamba``, not beside attention); else None."""
     if spec.short_conv is not None:
-        return "conv" if spec.is_linear_layer(index) else "attn"
+        return "conv"
+    if spec.mamba is not None and not spec.mamba.parallel_attention:
+        return "mamba"
+    return None
+
+
+def layer_kind_of(spec: ModelSpec, index: int) -> str:
+    """The kind (``KINDS``) of layer ``index``: in a hybrid model (``linear_kind``) that
+    kind or "attn", the attention layers; else "moe" or "dense"."""
+    linear = linear_kind(spec)
+    if linear is not None:
+        return linear if spec.is_linear_layer(index) else "attn"
     return "moe" if spec.is_moe_layer(index) else "dense"
 
 
 def kind_variant(kind: str) -> str:
     """The layer variant (``memplan.model.layer.layer_blocks``) of the layers of ``kind``:
-    "linear" for short-convolution layers, else the model's attention."""
-    return "linear" if kind == "conv" else ""
+    "linear" for short-convolution and Mamba2 layers, else the model's attention."""
+    return "linear" if kind in ("conv", "mamba") else ""
 
 
 def default_kind(spec: ModelSpec) -> str:
     """The kind a list names where all of a model's layers are of one kind."""
-    if spec.short_conv is not None:
+    if linear_kind(spec) is not None:
         return layer_kind_of(spec, 0)
     return "moe" if searched_moe(spec) else "dense"
 
@@ -778,11 +811,12 @@ def resolve(items: tuple[Item, ...], save: tuple[str, ...], spec: ModelSpec,
             continue
         hits = {i.name for i in items if name == i.name or name in i.terms}
         if not hits:
-            where = f"{kind} layers" if spec.short_conv is not None else "layers"
+            linear = linear_kind(spec)
+            where = f"{kind} layers" if linear is not None else "layers"
             raise MemplanError(f"recompute_save: unknown name {name!r} for {spec.name}'s "
                                f"{where}; valid: {', '.join(valid_names(items))}"
-                               + (" (scope the names of one kind's layers: conv:NAME, "
-                                  "attn:NAME)" if spec.short_conv is not None else ""))
+                               + (f" (scope the names of one kind's layers: {linear}:NAME, "
+                                  "attn:NAME)" if linear is not None else ""))
         chosen |= hits
     return tuple(i for i in items if i.name in chosen)
 
@@ -928,7 +962,7 @@ def assumption(spec: ModelSpec, wl: Workload, kinds: dict[str, tuple[Item, ...]]
             f"on stage {n}, {keeps(save)}" for n, save in stages.items())
     stop = ("the experts' down projection reruns: the routing weights' product saves its "
             "output" if "moe" in kinds else "")
-    dense = ("" if not {"dense", "conv", "attn"} & set(kinds)
+    dense = ("" if not {"dense", "conv", "mamba", "attn"} & set(kinds)
              else "a dense MLP's down projection reruns: its post norm saves its output"
              if spec.norm_placement.post_norm
              else "a dense MLP's down projection reruns: its dropout's mask is rebuilt"

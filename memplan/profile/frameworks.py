@@ -412,7 +412,8 @@ def build_hf(case: FrameworkCase) -> Built:
                else _grouped_gather(spec))
     if recompute == "ops":  # the emitted torch policy, as gradient_checkpointing_kwargs
         _emitted_checkpointing(model, spec, rec.name, b, s, save,
-                               {**experts, "attention": "flash" if attn == "sdpa" else "eager"})
+                               {**experts, "attention": "flash" if attn == "sdpa" else "eager",
+                                **_mamba_kernel(model)})
     host = HostSaved()
     def offloading() -> contextlib.AbstractContextManager:
         if "activations" not in offload:

@@ -244,10 +244,15 @@ def _titan_kept(items: tuple[Item, ...], forced: set[tuple[int, int]],
 
 def _no_short_conv(target: str, spec: ModelSpec, what: str) -> None:
     """Refuses a model with short-convolution layers (LFM2) for ``target``, which has
-    ``what``."""
+    ``what``, and one with Mamba2 layers (Granite 4.0-H: ``memplan.model.sac_mamba`` models
+    transformers' torch_forward, no other framework's mixer)."""
     if spec.short_conv is not None:
         raise MemplanError(f"emit-policy {target}: {what}, so {spec.name}'s short-convolution "
                            "layers have no policy there; use --emit-policy torch")
+    if spec.mamba is not None:
+        raise MemplanError(f"emit-policy {target}: {spec.name}'s Mamba2 layers are modelled "
+                           "as transformers runs them (GraniteMoeHybridMambaLayer."
+                           "torch_forward), not this framework's; use --emit-policy torch")
 
 
 # what torchtitan's op list cannot keep of an MLA block

@@ -1,0 +1,127 @@
+"""Op-level checkpointing (``memplan.model.sac_ops``) of Granite 4.0-H's Mamba2 layers: the
+ops a policy counts in the mixer as transformers 5.3 runs it without mamba_ssm and
+causal-conv1d (models/granitemoehybrid/modeling_granitemoehybrid.py
+``GraniteMoeHybridMambaLayer.torch_forward``, the naive chunked scan, and
+``GraniteMoeHybridRMSNormGated``: the block ``memplan.model.mamba`` models), in execution
+order with their families and output widths as the emitted policy's ``_key`` sees them
+(``memplan.report.sac_policy``; traced: tests/traced/test_sac_policy.py)::
+
+    projected_states = self.in_proj(input_states)        # mm, W = 2d + 2Gn + H: mamba.in_proj
+    conv = self.conv1d(xBC.transpose(1, 2))              # convolution, C: mamba.conv_out
+    xBC = self.act(conv[..., :s].transpose(1, 2))        # silu, C: mamba.act
+    A = -torch.exp(self.A_log.float())                   # (16-bit weights) copy, H
+    x, B, C = x.float(), B.float(), C.float()            # (below fp32) copy P, n, n
+    D_residual = D[..., None] * pad(x); x = x * dt[..., None]    # mul P, mul P
+    A = A * dt                                                   # mul H
+    G = (C[..] * B[..]).sum(-1); M = (G[..., None] * L[..., None]).sum(-1)   # mul n, mul 1
+    Y_diag = (M[..., None] * x[:, :, None]).sum(3)                # mul P
+    B_decay = B * decay[..., None]; states = (B_decay[..] * x[..]).sum(2)   # mul n, mul n
+    states = torch.cat([zeros, states], dim=1)                    # cat, n (along dim 1)
+    new_states = (decay_chunk[..] * states[..]).sum(1)            # mul n
+    Y_off = (C[..] * states[..]).sum(-1) * decay_out[..., None]  # mul n, mul P
+    norm(y, gate): gate.to(float32) (copy d, below fp32), silu (d), y * silu (d),
+        variance + eps (shift, 1), rsqrt (1), y * rsqrt (d), weight * y (d)
+    out_proj(scan_output.to(dtype))                       # copy d (below fp32): mamba.out;
+                                                          # mm, h: mamba.out_proj
+
+(the exps, cumsums, pads, clamps, softplus and sums are no ops a policy counts; the
+widths read off a trace of the toy in tests/traced/test_sac_policy.py). Each output a layer can keep
+is an item: ``mamba.in_proj`` (in_proj's output, which the gate, x B C and dt view: a local
+to the mixer's end), ``mamba.conv_out`` (the conv's padded output, b C (s + K - 1): freed
+once silu has read its slice, so kept it adds to the mixer's working set), ``mamba.act``
+(silu's output, a local to the end), ``mamba.out`` (out_proj's saved input: the cast below
+fp32, the weight's product in fp32) and ``mamba.out_proj`` (out_proj's output, which no
+backward reads but whose rerun it skips). The scan's and the gated norm's ops are counted,
+never kept: the backward needs their saved tensors, so the rerun rebuilds them whatever is
+kept. Under autocast the casts autocast makes (in_proj's and out_proj's inputs and weights,
+the conv's weight and bias) are not counted: no item there is a cast (``mamba.out`` is none
+there), and the norms are not named (``sac_ops._norms_nameable``). The layer's norms and MLP
+are the attention layers' (``sac_ops.layer_ops``).
+"""
+
+from __future__ import annotations
+
+from memplan.model.dims import Dims, Term
+from memplan.model.mamba import Mamba, sizes
+from memplan.model.sac_mla import CAT
+from memplan.model.sac_ops import (ACTIVATION, CONV, COPY, MATMUL, PRODUCT, RSQRT, SHIFT, Item,
+                                   _fp32_ops, _norm_ops, _norms_nameable, _unkept, numbered)
+from memplan.spec import ModelSpec
+from memplan.units import FP32_BYTES
+from memplan.workload import Workload
+
+# the block that runs the items (``memplan.model.mamba.Mamba.name``)
+_BLOCK = "attn"
+
+
+def _scan_ops(p: int, n: int, h: int, low: bool, a_cast: bool) -> list[Item]:
+    """The chunked scan's ops a policy counts (module docstring), head dim ``p``, state size
+    ``n``, ``h`` heads on this rank; ``low``: x, B and C below fp32, upcast (``a_cast``: and
+    A_log, a 16-bit parameter; under autocast an fp32 one)."""
+    casts = ([_unkept(COPY, h, _BLOCK)] if a_cast else []) + (
+        [_unkept(COPY, w, _BLOCK) for w in (p, n, n)] if low else [])
+    return casts + [_unkept(PRODUCT, w, _BLOCK) for w in (p, p, h, n, 1, p, n, n)] + [
+        _unkept(CAT, n, _BLOCK), _unkept(PRODUCT, n, _BLOCK), _unkept(PRODUCT, n, _BLOCK),
+        _unkept(PRODUCT, p, _BLOCK)]
+
+
+def _norm_and_out(d: int, low: bool, pure: bool, out_bytes: int) -> list[Item]:
+    """GraniteMoeHybridRMSNormGated's ops (module docstring) and out_proj's input: below fp32
+    the weight's product, then ``.to(dtype)``, the item ``mamba.out`` (``pure``: 16-bit
+    weights; under autocast the cast is autocast's own, no item); in fp32 the product is
+    out_proj's input, the item."""
+    ops = ([_unkept(COPY, d, _BLOCK)] if low else []) + [
+        _unkept(ACTIVATION, d, _BLOCK), _unkept(PRODUCT, d, _BLOCK), _unkept(SHIFT, 1, _BLOCK),
+        _unkept(RSQRT, 1, _BLOCK), _unkept(PRODUCT, d, _BLOCK)]
+    out = Item("mamba.out", ("mamba.out",), out_bytes, float(d), COPY if low else PRODUCT, d,
+               0, _BLOCK, False)
+    if not low:
+        return ops + [out]
+    return ops + [_unkept(PRODUCT, d, _BLOCK), out if pure else _unkept(COPY, d, _BLOCK)]
+
+
+def mamba_items(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int]) -> list[Item]:
+    """The mixer's ops in execution order, on one rank (W = 2 d + 2 G n + H in_proj's
+    output, C = d + 2 G n the conv's channels, K taps, T tokens, e the compute dtype's
+    bytes): in_proj's output T x W x e (2 h W FLOPs a token), the conv's b x C x (s + K - 1)
+    x e (2 K C), silu's T x C x e (C), the scan's and the gated norm's ops (unkept),
+    out_proj's input T x d x e (d) and output T x h x e (2 d h; a row-parallel output is the
+    full partial sum on each rank)."""
+    assert spec.mamba is not None
+    z = sizes(spec.mamba, dm)
+    h, t, e = spec.hidden_size, dm.tokens, dm.e
+    low = e < FP32_BYTES
+    pure = low and not dm.autocast
+    return [Item("mamba.in_proj", ("mamba.in_proj_out",), terms["mamba.in_proj_out"],
+                 2.0 * h * z.width, MATMUL, z.width, 0, _BLOCK, False),
+            Item("mamba.conv_out", ("mamba.conv_out",), terms["mamba.conv_out"],
+                 2.0 * z.taps * z.conv, CONV, z.conv, 0, _BLOCK, True),
+            Item("mamba.act", (), t * z.conv * e, float(z.conv), ACTIVATION, z.conv, 0, _BLOCK,
+                 False)] + _scan_ops(z.p, z.n, z.h, low, pure) + _norm_and_out(
+        z.d, low, pure, terms["mamba.out"]) + [
+        Item("mamba.out_proj", (), t * h * e, 2.0 * z.d * h, MATMUL, h, 0, _BLOCK, False)]
+
+
+def mamba_layer_ops(spec: ModelSpec, wl: Workload, dm: Dims, saved: tuple[Term, ...],
+                    attention_ops: tuple[Item, ...]) -> tuple[Item, ...]:
+    """A Mamba2 layer's ops a policy counts, in execution order (``sac_ops.layer_ops``' for
+    an attention layer): the input norm's, the mixer's (``mamba_items``), the MLP norm's,
+    then the MLP's, the attention layers' own (``attention_ops``: GraniteMoeHybridDecoderLayer
+    runs the same shared MLP after either mixer). ``saved``: what the layer saves without
+    recompute."""
+    terms = {t.name: t.size_bytes for t in saved}
+    h = spec.hidden_size
+    named = _norms_nameable(spec, wl, dm, terms, qk_norms=False)
+    fp32 = _fp32_ops(spec, wl, dm)
+    out = _norm_ops("attn_norm", terms, h, h, named, fp32_ops=fp32)
+    out += mamba_items(spec, wl, dm, terms)
+    out += _norm_ops("mlp_norm", terms, h, h, named, fp32_ops=fp32)
+    out += [i for i in attention_ops if i.block == "mlp"]
+    return numbered(out)
+
+
+def scan_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+    """The forward FLOPs of one token through the chunked scan, which the rerun spends
+    whatever a list keeps (no item keeps the scan: its saved tensors are the backward's):
+    ``memplan.model.mamba.Mamba.core_flops_per_token``."""
+    return Mamba().core_flops_per_token(spec, seq_len)
