@@ -903,10 +903,13 @@ def _ops_forward(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
                            spec.parallel_block, core, held, mask)
     from memplan.model.moe import grouped_kept_moments
 
-    return _OpsForward(tuple(p for p in pairs if p[0] != "mlp"), 0,
+    # an eager core (GPT-OSS's: sac_ops.eager_refusal) as in a dense layer
+    pairs, core = _eager_core(spec, wl, dm, tuple(p for p in pairs if p[0] != "mlp"))
+    return _OpsForward(pairs, 0,
                        tuple((base + value, adds)
                              for value, adds in grouped_kept_moments(spec, dm, wl.moe_impl)),
-                       spec.parallel_block)
+                       spec.parallel_block, core,
+                       eager_held_item(spec, wl, dm) if core else ("", 0))
 
 
 def _eager_core(spec: ModelSpec, wl: Workload, dm: Dims, pairs: tuple[tuple[str, int], ...]
@@ -933,7 +936,9 @@ def ops_forward_peak(fw: _OpsForward, items: tuple[sac_ops.Item, ...],
         peak = max(peak, sac_ops.core_peak(fw.core, items, kept, fw.parallel))
     if not fw.moe:
         return peak
-    before = -sac_ops.input_held(kept, "mlp", fw.parallel)
+    # the MoE block's moments hold an eager core's returned probabilities anyway
+    before = -sac_ops.input_held(kept, "mlp", fw.parallel) - min(
+        next((i.size_bytes for i in kept if i.name == fw.held[0]), 0), fw.held[1])
     for i in kept:
         if i.block != "mlp":
             before += i.size_bytes
