@@ -45,7 +45,7 @@ from memplan.model.linear import Linear, Split, shares_input
 from memplan.model.mla import Mla, mla_linears
 from memplan.model.mlp import (Mlp, lora_working_steps, mlp_linears, rerun_pending_bytes,
                                rerun_stop_bytes, working_steps)
-from memplan.model.moe import MoE
+from memplan.model.moe import MoE, down_biases_bytes, weights_width
 from memplan.model.short_conv import ShortConv, conv_cache_bytes, short_conv_linears
 from memplan.model.mamba import Mamba, mamba_cache_bytes, mamba_linears
 from memplan.model.mamba import kernel as mamba_kernel
@@ -775,7 +775,8 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     return full._replace(terms=full.terms + terms, saved_bytes=full.saved_bytes + total(terms),
                          forward_peak_bytes=peak, forward_blocks=(),
                          moments=_cached_at_rerun(spec, wl, dm,
-                                                  _cached_ahead(spec, full.moments, kept),
+                                                  _clamped_rerun(spec, dm, _cached_ahead(
+                                                      spec, full.moments, kept), items, kept),
                                                   items, kept))
 
 
@@ -792,6 +793,48 @@ def _cached_ahead(spec: ModelSpec, moments: tuple[LayerMoment, ...],
     ahead = sum(i.size_bytes for i in kept if i.name.startswith("moe.shared."))
     return tuple(m._replace(alive_bytes=m.alive_bytes + ahead) if m.name == "moe_rerun" else m
                  for m in moments)
+
+
+def _clamped_rerun(spec: ModelSpec, dm: Dims, moments: tuple[LayerMoment, ...],
+                   items: tuple[sac_ops.Item, ...], kept: tuple[sac_ops.Item, ...]
+                   ) -> tuple[LayerMoment, ...]:
+    """GPT-OSS's biased, clamped experts (``sac_moe._clamped_ops``) rerun in backward with
+    kept outputs: torch/utils/checkpoint.py's ``_CachedTorchDispatchMode`` pops each cached
+    output when its op reruns, so the kept outputs of the ops after the rerun's moment are
+    alive beside it. Two moments besides the rerun's unsort (``moe.grouped_rerun``: X, the
+    block's saved terms S, its gathered down biases D, the weighted rows W and the gradient's
+    copy): the gate/up projection's bias add (its output, input and gathered bias, 2 R f
+    each: X - S - D - W + 6 R f) and the product ``(up + 1) * glu`` (the gate/up output, its
+    gathered bias, the clamped gate and up, the sigmoid, glu, up + 1 and the product, 10 R f:
+    X - S - D - W + 10 R f), S = 7 R f + R h (the gate/up output, the clamped gate, sigmoid,
+    glu, up + 1 and product, the biased down projection's output). Under full recompute
+    neither is above X where f <= h (GPT-OSS: equal at the product). Traced: transformers'
+    GPT-OSS narrowed (f = h = 128), bf16, 2 x 64 tokens, keeping the clamped gate, sigmoid,
+    up + 1 and down projection: the rerun's product with the cached down projection's output
+    the backward's peak, +65,536 B above X (tests/traced/test_sac_policy.py)."""
+    moe = spec.moe
+    if moe is None or not moe.clamped_swiglu or not kept:
+        return moments
+    rows, h, e = dm.tokens * moe.top_k, spec.hidden_size, dm.e
+    inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
+    width = max(e, weights_width(moe, dm))
+    drop = 7 * inner + rows * h * e + down_biases_bytes(spec, dm) + rows * h * width
+    names = [i.name for i in items]
+    kept_at = {names.index(i.name): i.size_bytes for i in kept}
+
+    def later(name: str) -> int:
+        at = names.index(name)
+        return sum(size for k, size in kept_at.items() if k > at)
+
+    out = []
+    for m in moments:
+        out.append(m)
+        if m.name == "moe_rerun":
+            for name, held in (("moe.expert.gate_up", 6), ("moe.expert.prod", 10)):
+                out.append(m._replace(name=f"moe_rerun_{name.split('.')[-1]}",
+                                      alive_bytes=m.alive_bytes - drop + held * inner
+                                      + later(name)))
+    return tuple(out)
 
 
 def _gelu_new_rerun(spec: ModelSpec, dm: Dims, moments: tuple[LayerMoment, ...],

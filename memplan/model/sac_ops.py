@@ -248,6 +248,8 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          "transformers' grouped experts, moe_impl grouped)"),
         (moe.router_fp32 and not moe.shared_experts_last,
          "an fp32 softmax router (Hunyuan's; DeepSeek-V3's sigmoid router is modelled)"),
+        (moe.clamped_swiglu and not spec.mlp_bias,
+         "GPT-OSS's clamped SwiGLU without its expert biases"),
         (spec.mlp_bias and not moe.clamped_swiglu,
          "expert biases without GPT-OSS's clamped SwiGLU (modelled as GptOssExperts runs "
          "them: memplan.model.sac_moe._clamped_ops)"),
