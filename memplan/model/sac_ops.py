@@ -72,7 +72,9 @@ are ``memplan.model.sac_mla``'s. An eager attention core (transformers'
 ``eager_attention_forward``) is named op by op in place of SDPA's kernel (``_eager_core_ops``:
 its bmms, softmax, cast and dropout; Gemma 2's logit soft-capping, ``_softcap_ops``; a
 sliding window only its mask), its moments with what each kept output adds
-(``core_peak``); an ungated ReLU MLP keeps its up projection (``mlp.fc1``) and relu's output
+(``core_peak``); GPT-OSS's with its sinks (the sink column's cat, a softmax s_kv + 1 wide;
+its MoE layers' eager core the only one modelled: ``eager_refusal``); an ungated ReLU MLP
+keeps its up projection (``mlp.fc1``) and relu's output
 (``mlp.act``). Llama 4's RoPE layers rotate q and k by a complex table and L2-norm them after
 the three projections (``_complex_rope_ops``, ``_l2_norm_ops``: each norm's fp32 input and
 rsqrt are items); its NoPE layers run neither, and scale q by the positions' temperature
@@ -235,7 +237,10 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     ``grouped_mm_experts_forward``: a fixed count of ops per layer whatever the routing) of
     gated, stacked, bias-free experts behind a softmax router (Mixtral's), DeepSeek-V3's
     sigmoid router or a top-k softmax router (Granite's: ``memplan.model.sac_moe.
-    _topk_softmax_ops``)."""
+    _topk_softmax_ops``; GPT-OSS's, with its bias), and GPT-OSS's biased experts with their
+    clamped SwiGLU (``memplan.model.sac_moe._clamped_ops``). Experts as wide as the hidden
+    size or a head only where every product of that width is counted
+    (``_norm_products_counted``)."""
     moe = spec.moe
     assert moe is not None
     checks = (
