@@ -1133,7 +1133,8 @@ def test_emitted_policy_on_transformers_granite_moe(precision: str, save: str,
 # attn.softmax" (exact, +864, +31,584); bf16 at 2 x 256 tokens attention and attn.softmax
 # (+512, -3,728 (-0.05%), +864); at 2 x 1,024 tokens, where the sink core is the forward's
 # peak (memplan.model.eager._sink_moments), attn.scores: +512, +16,256 (+0.02%), backward
-# -1,158,264 (-1.37%) as full recompute's own (-1.71%: the rerun's sink core, not modelled).
+# -507,520 (-0.60%; full recompute's own -0.75%; both -1,158,264 before the rerun's sink
+# moment, memplan.model.eager.saving_sink_moments).
 GPT_OSS_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=128,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
                    num_local_experts=4, num_experts_per_tok=2, sliding_window=32,

@@ -192,3 +192,8 @@ def test_sink_core_moments_by_hand() -> None:
     moments = [value for value, _ in eager.checkpointed_moments(c)]
     assert moments[1:] == [196_608, 202_752, 265_216, 264_192, 231_424]
     assert eager.forward_checkpointed(c) == 265_216
+    # rerun with autograd recording, at the difference: the probabilities with their sink
+    # column (66,560) not made yet; beside the rest the caller's q, k and v the matmuls copy
+    # or repeat (32,768 + 2 x 16,384), the masked scores, the cat, the difference and the
+    # max's values: 65,536 + 65,536 + 2 x 66,560 + 1,024 = 265,216
+    assert eager.saving_sink_moments(c) == [(66_560, 265_216)]
