@@ -464,8 +464,11 @@ class Attention:
         if wl.attention is not Kernel.EAGER:
             return []
         saved = total(attention_terms(spec, wl, dm, Recompute.NONE))
-        return [Moment("rebuild", _before_output(spec, dm, saved),
-                       eager.forward_saving(_core(spec, wl, dm)))]
+        c = _core(spec, wl, dm)
+        before = _before_output(spec, dm, saved)
+        return [Moment("rebuild", before, eager.forward_saving(c)),
+                *[Moment("rebuild_sinks", before - unmade, held)
+                  for unmade, held in eager.saving_sink_moments(c)]]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
         """The projections (``attention_linears``), then the q and k norms and the sinks."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims
+from memplan.model.dims import FP32_BYTES, INDEX_BYTES, MASK_BYTES, Dims
 from memplan.spec import ModelSpec
 
 
@@ -57,6 +57,10 @@ class Core(NamedTuple):
     fp32_k_rep: int = 0  # ... and K repeated to every head in fp32, a local of the core
     dropout_local: int = 0  # autocast: dropout's fp32 output, a local (its cast is saved)
     softcap: int = 0  # logit soft-capping: each of its score-sized tensors (compute dtype)
+    # attention sinks (GPT-OSS): one column of the scores (the sink's, and the row max's
+    # values) and the row max's int64 indices
+    sink_col: int = 0
+    sink_index: int = 0
 
     @property
     def caller_locals(self) -> int:
@@ -104,7 +108,18 @@ def core(spec: ModelSpec, dm: Dims, softmax_fp32: bool = False) -> Core:
                 fp32_caller=fp32_q + fp32_k if rope else 0,
                 fp32_k_rep=fp32_q if rope and grouped else 0,
                 dropout_local=scores * dm.stream_e if amp and dropout else 0,
-                softcap=scores * dm.e if spec.attn_logit_softcap is not None else 0)
+                softcap=scores * dm.e if spec.attn_logit_softcap is not None else 0,
+                **_sinks(spec, dm, amp))
+
+
+def _sinks(spec: ModelSpec, dm: Dims, amp: bool) -> dict[str, int]:
+    """GPT-OSS's sink column (``ModelSpec.attn_sinks``), one per query row and head, in the
+    scores' dtype, and the row max's int64 indices; modelled without autocast
+    (``_sink_moments``)."""
+    if not spec.attn_sinks or amp:
+        return {}
+    rows = dm.b * (spec.num_attention_heads // dm.tp) * dm.s
+    return {"sink_col": rows * dm.e, "sink_index": rows * INDEX_BYTES}
 
 
 def forward_saving(c: Core) -> int:
@@ -113,6 +128,20 @@ def forward_saving(c: Core) -> int:
     value matmul's output, and the caller's q, k, v the matmuls copied (and the fp32 K
     repeated to every head, under autocast with RoPE)."""
     return c.caller_locals + c.fp32_k_rep + c.masked + c.dropout_local + c.q
+
+
+def saving_sink_moments(c: Core) -> list[tuple[int, int]]:
+    """A core with sinks rerun with autograd recording (``_sink_moments``), at the row max's
+    difference: of what the core saves, the probabilities (the softmax's output with its
+    sink column) not made yet; beside the rest, the caller's locals, the masked scores, the
+    cat's output, the difference and the max's values (its indices saved). As (saved bytes
+    not made yet, bytes beside); none without sinks. Traced: transformers' GPT-OSS narrowed,
+    bf16, 2 x 1,024 tokens, under full recompute: the rerun's difference the backward's
+    peak, 1,158,264 B above the estimate without it."""
+    if not c.sink_col:
+        return []
+    wide = c.scores + c.sink_col
+    return [(wide, c.caller_locals + c.fp32_k_rep + c.scores + 2 * wide + c.sink_col)]
 
 
 def forward_checkpointed(c: Core) -> int:
@@ -157,11 +186,34 @@ def checkpointed_moments(c: Core) -> list[tuple[int, dict[str, int]]]:
     scores = reps + 2 * c.scores  # raw and scaled, then masked and softmax
     kept_scores = _after_mask(c)
     out = [(first, {}), *_softcap_moments(c, reps), (scores, kept_scores)]
+    if c.sink_col:
+        return out + _sink_moments(c, reps)
     if c.mask:  # masked, softmax, mask, output
         out.append((reps + 3 * c.scores + c.mask, kept_scores))
     # the value matmul: the masked scores, its probabilities, the copy of v, its output
     value = reps + 2 * c.scores + (0 if c.grouped else c.v_extra) + c.q
     return out + [(value, {**kept_scores, SOFTMAX: c.scores if c.mask else 0})]
+
+
+def _sink_moments(c: Core, reps: int) -> list[tuple[int, dict[str, int]]]:
+    """A checkpointed core with sinks after its scaling (models/gpt_oss/modeling_gpt_oss.py
+    ``eager_attention_forward``, no dropout, the softmax in the scores' dtype): the masked
+    scores (``attn_weights``, a local until dropout's no-op rebinds it to the probabilities'
+    view) beside ``torch.cat([attn_weights, sinks], dim=-1)``, s_kv + 1 wide; the row max
+    (``combined_logits.max(dim=-1, keepdim=True)``: its values and int64 indices, the
+    indices freed with the tuple once ``.values`` is read); the difference (rebinding
+    ``combined_logits``: the cat's output freed after it), then the softmax beside it and the
+    masked scores, the max's values freed; at the value matmul the difference and the
+    probabilities with its output. Traced: transformers' GPT-OSS narrowed, bf16, 2 x 1,024
+    tokens, under full recompute: each moment to the byte, the difference's the core's
+    peak (the forward's, 16,285,824 B above the core without sinks). A kept scores tensor
+    (the first matmul's output) adds at each; the softmax's output is alive anyway."""
+    wide = c.scores + c.sink_col
+    kept = {SCORES: c.scores}
+    return [(reps + c.scores + wide + c.sink_col + c.sink_index, kept),
+            (reps + c.scores + 2 * wide + c.sink_col, kept),
+            (reps + c.scores + 2 * wide, kept),
+            (reps + 2 * wide + (0 if c.grouped else c.v_extra) + c.q, kept)]
 
 
 def _checkpointed_autocast(c: Core) -> list[tuple[int, dict[str, int]]]:

@@ -45,7 +45,7 @@ from memplan.model.linear import Linear, Split, shares_input
 from memplan.model.mla import Mla, mla_linears
 from memplan.model.mlp import (Mlp, lora_working_steps, mlp_linears, rerun_pending_bytes,
                                rerun_stop_bytes, working_steps)
-from memplan.model.moe import MoE
+from memplan.model.moe import MoE, down_biases_bytes, weights_width
 from memplan.model.short_conv import ShortConv, conv_cache_bytes, short_conv_linears
 from memplan.model.mamba import Mamba, mamba_cache_bytes, mamba_linears
 from memplan.model.mamba import kernel as mamba_kernel
@@ -783,7 +783,8 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     return full._replace(terms=full.terms + terms, saved_bytes=full.saved_bytes + total(terms),
                          forward_peak_bytes=peak, forward_blocks=(),
                          moments=_cached_at_rerun(spec, wl, dm,
-                                                  _cached_ahead(spec, full.moments, kept),
+                                                  _clamped_rerun(spec, dm, _cached_ahead(
+                                                      spec, full.moments, kept), items, kept),
                                                   items, kept))
 
 
@@ -800,6 +801,48 @@ def _cached_ahead(spec: ModelSpec, moments: tuple[LayerMoment, ...],
     ahead = sum(i.size_bytes for i in kept if i.name.startswith("moe.shared."))
     return tuple(m._replace(alive_bytes=m.alive_bytes + ahead) if m.name == "moe_rerun" else m
                  for m in moments)
+
+
+def _clamped_rerun(spec: ModelSpec, dm: Dims, moments: tuple[LayerMoment, ...],
+                   items: tuple[sac_ops.Item, ...], kept: tuple[sac_ops.Item, ...]
+                   ) -> tuple[LayerMoment, ...]:
+    """GPT-OSS's biased, clamped experts (``sac_moe._clamped_ops``) rerun in backward with
+    kept outputs: torch/utils/checkpoint.py's ``_CachedTorchDispatchMode`` pops each cached
+    output when its op reruns, so the kept outputs of the ops after the rerun's moment are
+    alive beside it. Two moments besides the rerun's unsort (``moe.grouped_rerun``: X, the
+    block's saved terms S, its gathered down biases D, the weighted rows W and the gradient's
+    copy): the gate/up projection's bias add (its output, input and gathered bias, 2 R f
+    each: X - S - D - W + 6 R f) and the product ``(up + 1) * glu`` (the gate/up output, its
+    gathered bias, the clamped gate and up, the sigmoid, glu, up + 1 and the product, 10 R f:
+    X - S - D - W + 10 R f), S = 7 R f + R h (the gate/up output, the clamped gate, sigmoid,
+    glu, up + 1 and product, the biased down projection's output). Under full recompute
+    neither is above X where f <= h (GPT-OSS: equal at the product). Traced: transformers'
+    GPT-OSS narrowed (f = h = 128), bf16, 2 x 64 tokens, keeping the clamped gate, sigmoid,
+    up + 1 and down projection: the rerun's product with the cached down projection's output
+    the backward's peak, +65,536 B above X (tests/traced/test_sac_policy.py)."""
+    moe = spec.moe
+    if moe is None or not moe.clamped_swiglu or not kept:
+        return moments
+    rows, h, e = dm.tokens * moe.top_k, spec.hidden_size, dm.e
+    inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
+    width = max(e, weights_width(moe, dm))
+    drop = 7 * inner + rows * h * e + down_biases_bytes(spec, dm) + rows * h * width
+    names = [i.name for i in items]
+    kept_at = {names.index(i.name): i.size_bytes for i in kept}
+
+    def later(name: str) -> int:
+        at = names.index(name)
+        return sum(size for k, size in kept_at.items() if k > at)
+
+    out = []
+    for m in moments:
+        out.append(m)
+        if m.name == "moe_rerun":
+            for name, held in (("moe.expert.gate_up", 6), ("moe.expert.prod", 10)):
+                out.append(m._replace(name=f"moe_rerun_{name.split('.')[-1]}",
+                                      alive_bytes=m.alive_bytes - drop + held * inner
+                                      + later(name)))
+    return tuple(out)
 
 
 def _gelu_new_rerun(spec: ModelSpec, dm: Dims, moments: tuple[LayerMoment, ...],
@@ -911,10 +954,13 @@ def _ops_forward(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
                            spec.parallel_block, core, held, mask)
     from memplan.model.moe import grouped_kept_moments
 
-    return _OpsForward(tuple(p for p in pairs if p[0] != "mlp"), 0,
+    # an eager core (GPT-OSS's: sac_ops.eager_refusal) as in a dense layer
+    pairs, core = _eager_core(spec, wl, dm, tuple(p for p in pairs if p[0] != "mlp"))
+    return _OpsForward(pairs, 0,
                        tuple((base + value, adds)
                              for value, adds in grouped_kept_moments(spec, dm, wl.moe_impl)),
-                       spec.parallel_block)
+                       spec.parallel_block, core,
+                       eager_held_item(spec, wl, dm) if core else ("", 0))
 
 
 def _eager_core(spec: ModelSpec, wl: Workload, dm: Dims, pairs: tuple[tuple[str, int], ...]
@@ -941,7 +987,9 @@ def ops_forward_peak(fw: _OpsForward, items: tuple[sac_ops.Item, ...],
         peak = max(peak, sac_ops.core_peak(fw.core, items, kept, fw.parallel))
     if not fw.moe:
         return peak
-    before = -sac_ops.input_held(kept, "mlp", fw.parallel)
+    # the MoE block's moments hold an eager core's returned probabilities anyway
+    before = -sac_ops.input_held(kept, "mlp", fw.parallel) - min(
+        next((i.size_bytes for i in kept if i.name == fw.held[0]), 0), fw.held[1])
     for i in kept:
         if i.block != "mlp":
             before += i.size_bytes

@@ -178,7 +178,28 @@ def grouped_kept_moments(spec: ModelSpec, dm: Dims,
         router.add("moe.topk_weights")
     freed = {"moe.expert.gate_up", "moe.expert.act"} | (
         {"moe.expert.prod"} if impl is MoeImpl.GROUPED else set())
-    return [(gate, frozenset(router | shared)), (unsort, frozenset(router | freed | shared))]
+    at_gate = set()
+    if moe.clamped_swiglu:
+        at_gate, more = _clamped_kept(spec)
+        freed |= more
+    return [(gate, frozenset(router | shared | at_gate)),
+            (unsort, frozenset(router | freed | shared))]
+
+
+def _clamped_kept(spec: ModelSpec) -> tuple[set[str], set[str]]:
+    """GPT-OSS's clamped experts under op-level checkpointing (``sac_moe._clamped_ops``):
+    the kept items alive beyond the checkpointed block's gate moment (``(up + 1) * glu``,
+    ``_grouped_moments``: the biased gate/up output, its gathered bias, the clamped gate and
+    up, glu, up + 1 and the product), and beyond its unsort, once ``_apply_gate`` returned
+    and ``_grouped_linear`` rebound its output to the biased sum. At the gate: the gate/up
+    projection's own output (with biases, freed by ``out = out + bias``) and the sigmoid
+    (freed by ``gate * sigmoid``); at the unsort also the clamped gate, glu and up + 1 (the
+    product is ``proj_out``'s, the unsort moment's own as transformers 5.3 wrote it) and,
+    with biases, the down projection's own output."""
+    gate = {"moe.expert.sigmoid"} | ({"moe.expert.gate_up"} if spec.mlp_bias else set())
+    unsort = {"moe.expert.gate_up", "moe.expert.gate_clamped", "moe.expert.sigmoid",
+              "moe.expert.glu", "moe.expert.up_plus_one"}
+    return gate, unsort | ({"moe.expert.down"} if spec.mlp_bias else set())
 
 
 def _gated_shared_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:

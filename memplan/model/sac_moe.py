@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from memplan.model.dims import Dims
-from memplan.model.sac_ops import (ACTIVATION, COPY, GROUPED_MM, INDEX, MATMUL, PRODUCT,
-                                   SOFTMAX, Item)
+from memplan.model.sac_ops import (ACTIVATION, CLAMP, COPY, GROUPED_MM, INDEX, MATMUL,
+                                   PRODUCT, SCALE, SHIFT, SOFTMAX, Item)
 from memplan.model.moe import weights_width
 from memplan.spec import ModelSpec, MoESpec
 from memplan.units import FP32_BYTES
@@ -51,25 +51,26 @@ def _moe_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int],
     gathers as ``impl`` (grouped or grouped-token) writes them (``_dispatch_ops``)."""
     moe = spec.moe
     assert moe is not None
-    h, e, E, k = spec.hidden_size, dm.e, moe.num_experts, moe.top_k
+    h, e, k = spec.hidden_size, dm.e, moe.top_k
     f = moe.expert_ffn_hidden_size // dm.experts().tp
     rows = dm.tokens * k
 
     def term(*names: str) -> int:
         return sum(terms[n] for n in names)
 
-    ops = _router_ops(spec, dm, term) + _dispatch_ops(spec, dm, term, impl) + [
-            ("", COPY, rows, (), 0, 0.0, False),  # expert_ids_g.float() (.int() on CUDA)
-            ("moe.expert.gate_up", GROUPED_MM, 2 * f, ("moe.expert.gate", "moe.expert.up"),
-             term("moe.expert.gate", "moe.expert.up"), k * 4.0 * h * f, True),
-            ("moe.expert.act", ACTIVATION, f, ("moe.expert.act",), term("moe.expert.act"),
-             float(k * f), True),
-            ("moe.expert.prod", PRODUCT, f, ("moe.expert.prod",), term("moe.expert.prod"),
-             float(k * f), False),
-            ("moe.expert.down", GROUPED_MM, h, ("moe.expert_out",), term("moe.expert_out"),
-             k * 2.0 * h * f, False),
-            ("", PRODUCT, h, (), 0, 0.0, False),  # down_proj_out * sample_weights_g
-            ("", INDEX, h, (), 0, 0.0, False)]  # weighted_out[inv_perm]
+    ops = (_router_ops(spec, dm, term) + _dispatch_ops(spec, dm, term, impl)
+           + [("", COPY, rows, (), 0, 0.0, False)]  # expert_ids_g.float() (.int() on CUDA)
+           + (_clamped_ops(spec, dm, term) if moe.clamped_swiglu else [
+               ("moe.expert.gate_up", GROUPED_MM, 2 * f, ("moe.expert.gate", "moe.expert.up"),
+                term("moe.expert.gate", "moe.expert.up"), k * 4.0 * h * f, True),
+               ("moe.expert.act", ACTIVATION, f, ("moe.expert.act",), term("moe.expert.act"),
+                float(k * f), True),
+               ("moe.expert.prod", PRODUCT, f, ("moe.expert.prod",), term("moe.expert.prod"),
+                float(k * f), False),
+               ("moe.expert.down", GROUPED_MM, h, ("moe.expert_out",), term("moe.expert_out"),
+                k * 2.0 * h * f, False)])
+           + [("", PRODUCT, h, (), 0, 0.0, False),  # down_proj_out * sample_weights_g
+              ("", INDEX, h, (), 0, 0.0, False)])  # weighted_out[inv_perm]
     if weights_width(moe, dm) > e:
         # final_hidden_states.to(hidden_states.dtype): the weighted rows fp32 by type
         # promotion; none where the router cast its weights to the block's dtype
@@ -78,6 +79,48 @@ def _moe_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int],
         return ops
     shared = _shared_ops(spec, dm, term)
     return ops + shared if moe.shared_experts_last else shared + ops + _gate_ops(spec, dm, term)
+
+
+def _clamped_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int]
+                 ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
+    """GPT-OSS's experts (``MoESpec.clamped_swiglu``, biased where ``ModelSpec.mlp_bias``)
+    as integrations/moe.py ``grouped_mm_experts_forward`` runs them (transformers 5.3 and
+    5.23 alike), from the gate/up projection to the down projection (``_moe_ops``' tuples):
+    ``self.gate_up_proj_bias[expert_ids_g]`` (``aten.index`` of the (E, 2f) bias: width 2f),
+    the grouped gate/up projection (``moe.expert.gate_up``; ``_grouped_linear``: ``out +
+    bias`` after it, an add no policy counts, whose output is the ``moe.expert.gate_up``
+    term: with biases the projection's own output is saved by no one), then GptOssExperts.
+    _apply_gate: ``gate.clamp(max=limit)`` (``aten.clamp``, f wide: ``moe.expert.
+    gate_clamped``), ``up.clamp(-limit, limit)`` (saved by no one: ``up + 1`` saves
+    nothing), ``gate * alpha`` (a number's product, the policy's ``scale``; sigmoid saves
+    its own output), ``torch.sigmoid`` (``moe.expert.sigmoid``), ``gate * sigmoid``
+    (``moe.expert.glu``), ``up + 1`` (a number's sum, ``shift``: ``moe.expert.
+    up_plus_one``), ``(up + 1) * glu`` (``moe.expert.prod``, the down projection's input);
+    ``self.down_proj_bias[expert_ids_g]`` (width h) and the grouped down projection
+    (``moe.expert.down``; its biased sum is ``moe.expert_out``, which the routing weights'
+    product saves). The slices ``gate_up[..., ::2]``, ``[..., 1::2]`` are views. FLOPs per
+    token: each token's k rows, 2 a weight of a projection (the bias add reruns with it),
+    one an element of the rest (traced: transformers' GPT-OSS, tests/traced/
+    test_sac_policy.py)."""
+    moe = spec.moe
+    assert moe is not None
+    h, k, e = spec.hidden_size, moe.top_k, dm.e
+    f = moe.expert_ffn_hidden_size // dm.experts().tp
+    rows, bias = dm.tokens * k, spec.mlp_bias
+    up = ("moe.expert.gate_up", GROUPED_MM, 2 * f, () if bias else ("moe.expert.gate_up",),
+          rows * 2 * f * e, k * 4.0 * h * f, True)
+    down = ("moe.expert.down", GROUPED_MM, h, () if bias else ("moe.expert_out",),
+            rows * h * e, k * 2.0 * h * f, bias)
+
+    def item(name: str, op: str, own: bool = False) -> tuple:
+        full = f"moe.expert.{name}"
+        return (full, op, f, (full,), term(full), float(k * f), own)
+
+    return ([("", INDEX, 2 * f, (), 0, 0.0, False)] * bias + [
+        up, item("gate_clamped", CLAMP), ("", CLAMP, f, (), 0, 0.0, False),
+        ("", SCALE, f, (), 0, 0.0, False), item("sigmoid", ACTIVATION, own=True),
+        item("glu", PRODUCT), item("up_plus_one", SHIFT), item("prod", PRODUCT)]
+        + [("", INDEX, h, (), 0, 0.0, False)] * bias + [down])
 
 
 def _dispatch_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int], impl: MoeImpl
@@ -158,7 +201,9 @@ def _topk_softmax_ops(moe: MoESpec, h: int, dm: Dims, term: Callable[..., int]
     softmax's output adds to the checkpointed block's working set, where ``.type_as`` made
     it a temporary (``memplan.model.moe.grouped_kept_moments``)."""
     E, k, low = moe.num_experts, moe.top_k, dm.e < FP32_BYTES
-    return ([("moe.router", MATMUL, E, (), dm.tokens * E * dm.e, 2.0 * h * E, True)]
+    # GPT-OSS's GptOssTopKRouter.forward: F.linear(x, weight, bias), one addmm (``matmul``)
+    flops = 2.0 * h * E + (2.0 * E if moe.router_bias else 0.0)
+    return ([("moe.router", MATMUL, E, (), dm.tokens * E * dm.e, flops, True)]
             + [("", COPY, E, (), 0, 0.0, False)] * (low and moe.router_logits_fp32)
             + [("moe.topk_weights", SOFTMAX, k, ("moe.topk_weights",),
                 term("moe.topk_weights"), float(k), False)]

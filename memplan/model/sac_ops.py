@@ -74,7 +74,9 @@ layers). An eager attention core (transformers'
 ``eager_attention_forward``) is named op by op in place of SDPA's kernel (``_eager_core_ops``:
 its bmms, softmax, cast and dropout; Gemma 2's logit soft-capping, ``_softcap_ops``; a
 sliding window only its mask), its moments with what each kept output adds
-(``core_peak``); an ungated ReLU MLP keeps its up projection (``mlp.fc1``) and relu's output
+(``core_peak``); GPT-OSS's with its sinks (the sink column's cat, a softmax s_kv + 1 wide;
+its MoE layers' eager core the only one modelled: ``eager_refusal``); an ungated ReLU MLP
+keeps its up projection (``mlp.fc1``) and relu's output
 (``mlp.act``). Llama 4's RoPE layers rotate q and k by a complex table and L2-norm them after
 the three projections (``_complex_rope_ops``, ``_l2_norm_ops``: each norm's fp32 input and
 rsqrt are items); its NoPE layers run neither, and scale q by the positions' temperature
@@ -111,6 +113,8 @@ COPY, RSQRT = "copy", "rsqrt"
 # an MoE layer's router softmax, its rows' gathers (``aten.index``) and its experts'
 # grouped matmuls (``aten._grouped_mm``)
 SOFTMAX, INDEX, GROUPED_MM = "softmax", "index", "grouped_mm"
+# ``aten.clamp``: GPT-OSS's clamped gate and up (``memplan.model.sac_moe._clamped_ops``)
+CLAMP = "clamp"
 # a short-convolution layer's depthwise conv1d (``aten.convolution``, named by its channels)
 CONV = "conv"
 # ``aten.tanh``, and ``aten.mul``/``aten.add`` of a tensor and a Python number: transformers'
@@ -176,6 +180,11 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (spec.attn_output_gate, "an attention output gate"),
         (wl.attention is not Kernel.FLASH and eager_refusal(spec, wl) is not None,
          eager_refusal(spec, wl) or ""),
+        (spec.attn_sinks and wl.attention is Kernel.FLASH,
+         ("attention sinks with attention flash (transformers runs GPT-OSS's flash path "
+          "through a hub kernel taking the sinks, kernels-community/vllm-flash-attn3, no "
+          "aten SDPA op a policy names; modelled with --attention eager, "
+          "eager_attention_forward)")),
         (wl.lora_rank > 0, "LoRA adapters"), (wl.compile, "torch.compile"),
         (wl.float8.value != "none", "float8 linears"),
         (wl.attention_impl.value != "generic", f"attention_impl {wl.attention_impl.value}"),
@@ -249,7 +258,10 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     ``grouped_mm_experts_forward``: a fixed count of ops per layer whatever the routing) of
     gated, stacked, bias-free experts behind a softmax router (Mixtral's), DeepSeek-V3's
     sigmoid router or a top-k softmax router (Granite's: ``memplan.model.sac_moe.
-    _topk_softmax_ops``)."""
+    _topk_softmax_ops``; GPT-OSS's, with its bias), and GPT-OSS's biased experts with their
+    clamped SwiGLU (``memplan.model.sac_moe._clamped_ops``). Experts as wide as the hidden
+    size or a head only where every product of that width is counted
+    (``_norm_products_counted``)."""
     moe = spec.moe
     assert moe is not None
     checks = (
@@ -262,12 +274,27 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          "transformers' grouped experts, moe_impl grouped)"),
         (moe.router_fp32 and not moe.shared_experts_last,
          "an fp32 softmax router (Hunyuan's; DeepSeek-V3's sigmoid router is modelled)"),
-        (moe.clamped_swiglu or spec.mlp_bias, "expert biases"),
+        (moe.clamped_swiglu and not spec.mlp_bias,
+         "GPT-OSS's clamped SwiGLU without its expert biases"),
+        (spec.mlp_bias and not moe.clamped_swiglu,
+         "expert biases without GPT-OSS's clamped SwiGLU (modelled as GptOssExperts runs "
+         "them: memplan.model.sac_moe._clamped_ops)"),
         (not spec.mlp.gated, "ungated experts"),
-        (moe.expert_ffn_hidden_size in (spec.hidden_size, spec.head_dim),
+        (moe.expert_ffn_hidden_size in (spec.hidden_size, spec.head_dim)
+         and not _norm_products_counted(spec, wl),
          "experts as wide as the hidden size or a head (their products share its width)"),
     )
     return next((f"MoE layers with {why}" for cond, why in checks if cond), None)
+
+
+def _norm_products_counted(spec: ModelSpec, wl: Workload) -> bool:
+    """Whether every product as wide as the hidden size or a head that a layer runs is an
+    op ``layer_ops`` counts, so that experts of that width keep their products' indices: the
+    norms' two fp32 products each (``_norm_ops``' ``fp32_ops``: GPT-OSS's GptOssRMSNorm,
+    ``norm_scale_fp32`` under upcast-fp32, in any dtype), RoPE's (``_rope_ops``) and the
+    block's weighting (``sac_moe._moe_ops``)."""
+    return (spec.norm is NormKind.RMSNORM and wl.norm_impl is NormImpl.UPCAST_FP32
+            and spec.norm_scale_fp32 and spec.qk_norm is QkNorm.NONE)
 
 
 def check_supported(spec: ModelSpec, wl: Workload) -> None:
@@ -378,8 +405,22 @@ def _attention_ops(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int
     if spec.rope_complex and spec.position is PositionKind.ROPE:
         out += _complex_rope_ops(spec, dm, terms, nope)
     elif spec.position is PositionKind.ROPE and not nope:
-        out += [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
+        out += _rope_ops(spec)
     return out + _core_ops(spec, wl, dm, terms) + [mm["attn.o_proj"]]
+
+
+def _rope_ops(spec: ModelSpec) -> list[Item]:
+    """RoPE's ops a policy counts, none an item: transformers' ``apply_rotary_pos_emb``'s
+    four products of width ``rope_dim`` (``q * cos + rotate_half(q) * sin``, then k's;
+    rotate_half's ``cat`` is no family an attention layer's items have). With half-width
+    tables (``rope_half_tables``: models/gpt_oss/modeling_gpt_oss.py ``_apply_rotary_emb``,
+    ``first_half, second_half = torch.chunk(x, 2, dim=-1)``, four products of half the
+    width, ``torch.cat((first_, second_), dim=-1)``) eight products of rope_dim / 2 and two
+    concatenations of rope_dim (traced: transformers' GPT-OSS, each layer's ops)."""
+    if spec.rope_half_tables:
+        half = [_unkept(PRODUCT, spec.rope_dim // 2, "attn")] * 4
+        return (half + [_unkept(CAT, spec.rope_dim, "attn")]) * 2
+    return [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
 
 
 def _mla_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], named: bool,
@@ -1004,9 +1045,14 @@ def eager_refusal(spec: ModelSpec, wl: Workload) -> str | None:
                   and p.compute.itemsize < FP32_BYTES)
     checks = (
         (wl.attention is not Kernel.EAGER, f"attention {wl.attention.value}"),
-        (spec.moe is not None, "eager attention in MoE layers"),
+        (spec.moe is not None and not spec.attn_sinks,
+         "eager attention in MoE layers (modelled for GPT-OSS's, with its sinks)"),
         (spec.mla is not None, "eager attention in MLA layers"),
-        (spec.attn_sinks, "eager attention with sinks"),
+        (spec.attn_sinks and (wl.softmax_fp32 or p.autocast is not None or spec.dropout > 0
+                              or spec.attn_logit_softcap is not None),
+         ("eager attention with sinks and an fp32 softmax, autocast, dropout or "
+          "soft-capping (modelled as GPT-OSS's eager_attention_forward runs: the softmax in "
+          "the scores' dtype, no dropout)")),
         (norm_casts and wl.seq_len == spec.hidden_size,
          ("eager attention at a sequence as long as the hidden size with upcast-fp32 norms "
           "in a 16-bit dtype (the softmax's casts share the width of the norms' casts, which "
@@ -1027,7 +1073,13 @@ def _eager_core_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[It
     saved by its backward), ``attn.softmax_cast`` (the cast back, saved by the value matmul;
     16-bit weights only: under autocast the value matmul's own cast of its input, not named),
     ``attn.dropout`` (``native_dropout``'s output and bool mask) and ``attn.context`` (the
-    value bmm's output, whose transposed copy the output projection saves). What each kept
+    value bmm's output, whose transposed copy the output projection saves). The scaling
+    (``* scaling``, a number's product: ``scale``) is counted, no item. With sinks (models/
+    gpt_oss/modeling_gpt_oss.py ``eager_attention_forward``: ``torch.cat([attn_weights,
+    sinks], dim=-1)`` after the mask, an op no item keeps; the row max, ``max`` and ``sub``,
+    no ops a policy counts; the softmax in the scores' dtype over s_kv + 1 columns, its
+    output ``attn.softmax`` with the sink column; ``probs[..., :-1]`` a view the value
+    matmul reads without a copy; dropout at p = 0 and ``.to`` of the same dtype no ops). What each kept
     adds to the checkpointed core's moments is ``core_peak``'s (``memplan.model.eager.
     checkpointed_moments``). FLOPs: 2 s_kv q / t a token per bmm (the
     whole square: an eager core masks, it does not skip), one an element of the rest."""
@@ -1041,13 +1093,19 @@ def _eager_core_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[It
                     "attn", False)
 
     out = [item("attn.scores", (), scores * e, bmm, BMM, s_kv),
-           *_softcap_ops(spec, terms, scores * e, per_element, s_kv)]
+           *(_softcap_ops(spec, terms, scores * e, per_element, s_kv)
+             or [_unkept(SCALE, s_kv, "attn")])]
     # softmax in fp32 on 16-bit weights: a copy to fp32 before it, a cast back after it
     cast = terms["attn.softmax"] > scores * e and not dm.autocast
     if cast:  # softmax(dtype=float32) copies its 16-bit input to fp32 first
         out.append(_unkept(COPY, s_kv, "attn"))
-    out.append(item("attn.softmax", ("attn.softmax",), terms["attn.softmax"], per_element,
-                    SOFTMAX, s_kv))
+    # GPT-OSS's sinks: torch.cat([attn_weights, sinks], dim=-1), the softmax s_kv + 1 wide
+    sink = int(spec.attn_sinks)
+    if sink:
+        out.append(_unkept(CAT, s_kv + 1, "attn"))
+    out.append(item("attn.softmax", ("attn.softmax",),
+                    terms["attn.softmax"] + sink * scores // s_kv * e, per_element,
+                    SOFTMAX, s_kv + sink))
     if cast:
         out.append(item("attn.softmax_cast", ("attn.softmax_cast",), scores * e,
                         per_element, COPY, s_kv))

@@ -183,6 +183,8 @@ def _key(op, args):
         return "{CONV}", args[1].shape[0]
     if op is _aten.tanh.default:
         return "tanh", args[0].shape[-1]
+    if op is _aten.clamp.default:  # GPT-OSS's clamped gate and up
+        return "clamp", args[0].shape[-1]
     if op in (_aten.mul.Tensor, _aten.add.Tensor) and not isinstance(args[1], torch.Tensor):
         return ("scale" if op is _aten.mul.Tensor else "shift"), args[0].shape[-1]
     return None

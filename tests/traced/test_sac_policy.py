@@ -1156,3 +1156,50 @@ def test_emitted_policy_on_mamba_layers(precision: str, seq: int, save: str) -> 
     config = hf("heldout/granite-4.0-h-tiny", **GRANITE_H_TOY)
     case = _ops_case(config, "granite-h-ops-toy", precision, seq, save, {"mamba", "attn"})
     _assert_rows_within(compare_framework(case).rows)
+
+
+# GPT-OSS (gpt-oss-120b's config narrowed as test_hf_moe_families.py's gpt_oss toy: 2 layers,
+# the first sliding over 32 tokens, the second full; h = f = 128, 4 / 2 heads of 32, 4 experts,
+# 2 routed a token) with eager attention (GptOssForCausalLM has no SDPA) at 2 x 64 tokens, the
+# grouped experts as the installed transformers writes them: the sink column's cat and the
+# softmax s_kv + 1 wide (memplan.model.sac_ops._eager_core_ops), the router's biased addmm and
+# its bf16 softmax of the top 2, the gate/up and down biases gathered per row, the clamps,
+# the alpha scaling, sigmoid, glu, up + 1 and product (memplan.model.sac_moe._clamped_ops);
+# the rerun's gate/up bias add and product beside the outputs the cache still holds
+# (memplan.model.layer._clamped_rerun). Before, refused ("MoE layers with expert biases").
+# Measured on transformers 5.3 (estimated - traced; saved activations, first step's forward,
+# backward): bf16 the clamp list below +512 B (full recompute's own: the model's
+# cache_position arange), -656 B (-0.02%), +17,248 B (+0.50%, full recompute's own); bf16
+# mlp +512, -656, +864 (+0.02%; without the rerun's moments -3.54%); fp32 attention exact,
+# -1,184 (-0.02%), +31,584 (+0.49%, full's own). Also measured, as close, and left out of the
+# suite for its time: bf16 with the input only (+512, -160, +17,248) and "attn.scores,
+# attn.softmax,attn.context,moe.topk_weights,moe.dispatched" (+512, -656, +17,248); fp32 mlp
+# (exact, +864, -1,184) and "moe.router,moe.expert.gate_up,moe.expert.glu,moe.expert.prod,
+# attn.softmax" (exact, +864, +31,584); bf16 at 2 x 256 tokens attention and attn.softmax
+# (+512, -3,728 (-0.05%), +864); at 2 x 1,024 tokens, where the sink core is the forward's
+# peak (memplan.model.eager._sink_moments), attn.scores: +512, +16,256 (+0.02%), backward
+# -507,520 (-0.60%; full recompute's own -0.75%; both -1,158,264 before the rerun's sink
+# moment, memplan.model.eager.saving_sink_moments).
+GPT_OSS_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=128,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                   num_local_experts=4, num_experts_per_tok=2, sliding_window=32,
+                   layer_types=["sliding_attention", "full_attention"], pad_token_id=None)
+GPT_OSS_GRID = [("bf16-pure", "moe.expert.gate_clamped,moe.expert.sigmoid,"
+                              "moe.expert.up_plus_one,moe.expert.down"),
+                ("bf16-pure", "mlp"), ("fp32", "attention")]
+
+
+@pytest.mark.parametrize(("precision", "save"), GPT_OSS_GRID,
+                         ids=[f"{p}-{s}" for p, s in GPT_OSS_GRID])
+def test_emitted_policy_on_transformers_gpt_oss(precision: str, save: str) -> None:
+    pytest.importorskip("transformers")
+    config = hf("heldout/gpt-oss-120b", **GPT_OSS_TOY)
+    case = FrameworkCase("transformers", "gpt_oss-toy", config, precision, 2, 64,
+                         options={"attn": "eager", "recompute": "ops",
+                                  "recompute_save": save})
+    result = compare_framework(case)
+    assert result.spec.moe.clamped_swiglu and result.spec.attn_sinks
+    _assert_rows_within(result.rows)
+    row = result.row("activations_bytes")
+    # full recompute's own gap in bf16: the model's cache_position (T int64 = 512 B)
+    assert 0 <= row.estimated_bytes - row.measured_bytes <= (512 if precision != "fp32" else 0)

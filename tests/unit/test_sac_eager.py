@@ -147,7 +147,8 @@ def test_softcap_core_moments_by_hand() -> None:
 def test_eager_refused_where_not_modelled() -> None:
     """fp16 with transformers' fp32 softmax and no autocast: CUDA's softmax upcasts fp16
     without a copy (the policy's copy count would differ; under autocast, or with the
-    softmax in the scores' dtype, fp16 is bf16's); sinks (GPT-OSS's, whose layers are MoE with expert biases anyway); a sequence
+    softmax in the scores' dtype, fp16 is bf16's); sinks with an fp32 softmax (GPT-OSS's
+    eager_attention_forward softmaxes in the scores' dtype: modelled); a sequence
     as long as the hidden size under upcast-fp32 norms in 16 bits (their unnamed casts share
     the softmax's casts' width). Soft-capping and a window shorter than the sequence are
     modelled."""
@@ -158,7 +159,8 @@ def test_eager_refused_where_not_modelled() -> None:
                                            precision="amp-fp16")) is None
     sinks = ModelSpec.model_validate({**TINY.model_dump(), "name": "tiny-sinks",
                                       "attn_sinks": True})
-    assert "sinks" in ops_refusal(sinks, make_workload(sinks, **FIELDS, recompute="ops"))
+    assert "sinks and an fp32 softmax" in ops_refusal(sinks, make_workload(
+        sinks, **FIELDS, recompute="ops"))
     assert ops_refusal(CAP, make_workload(CAP, **FIELDS, recompute="ops")) is None
     window = ModelSpec.model_validate({**TINY.model_dump(), "name": "tiny-window",
                                        "sliding_window": 64})
@@ -167,3 +169,31 @@ def test_eager_refused_where_not_modelled() -> None:
                          norm_impl="upcast-fp32")
     assert "as long as the hidden size" in ops_refusal(CAP, wide)
     assert ops_refusal(CAP, wide.model_copy(update={"seq_len": 128})) is None
+
+
+def test_sink_core_moments_by_hand() -> None:
+    """GPT-OSS's checkpointed eager core (``eager._sink_moments``) narrowed to 2 x 64 tokens,
+    4 / 2 heads of 32, bf16: a score tensor b heads s s_kv e = 65,536, a column of it
+    b heads s e = 1,024, the row max's indices b heads s 8 = 4,096; K and V repeated to every
+    head 2 x T q e = 65,536, q 32,768. The scores, raw and scaled, 196,608; the masked
+    scores, the cat (66,560), the max's values and indices: 202,752; the difference beside
+    them and the cat, the values: 265,216 (the core's peak); the softmax beside the difference
+    and the masked scores: 264,192; the value matmul's output beside the difference and the
+    probabilities: 231,424."""
+    from memplan.model import eager
+
+    spec = load_model("gpt-oss-20b").model_copy(update={
+        "num_layers": 2, "hidden_size": 128, "ffn_hidden_size": 128, "num_attention_heads": 4,
+        "num_kv_heads": 2, "head_dim": 32, "vocab_size": 512, "sliding_window": 32})
+    wl = make_workload(spec, seq_len=64, micro_batch_size=2, attention="eager",
+                       precision="bf16-pure", recompute="full")
+    c = eager.core(spec, Dims.of(spec, make_layout(1), wl))
+    assert (c.scores, c.sink_col, c.sink_index) == (65_536, 1_024, 4_096)
+    moments = [value for value, _ in eager.checkpointed_moments(c)]
+    assert moments[1:] == [196_608, 202_752, 265_216, 264_192, 231_424]
+    assert eager.forward_checkpointed(c) == 265_216
+    # rerun with autograd recording, at the difference: the probabilities with their sink
+    # column (66,560) not made yet; beside the rest the caller's q, k and v the matmuls copy
+    # or repeat (32,768 + 2 x 16,384), the masked scores, the cat, the difference and the
+    # max's values: 65,536 + 65,536 + 2 x 66,560 + 1,024 = 265,216
+    assert eager.saving_sink_moments(c) == [(66_560, 265_216)]

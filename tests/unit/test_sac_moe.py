@@ -387,9 +387,150 @@ def test_topk_softmax_router_items_by_hand(precision: str, router: int, casts: d
     assert peak("moe.topk_weights") - peak("") == peak_added
 
 
-def test_topk_softmax_router_with_expert_biases_still_refused() -> None:
-    """GPT-OSS's block (a top-k softmax router in the logits' dtype, biased experts with a
-    clamped SwiGLU) stays refused, for its experts' biases."""
-    with pytest.raises(MemplanError, match="MoE layers with expert biases"):
-        estimate("gpt-oss-20b", seq_len=128, micro_batch_size=1, framework="hf",
-                 recompute="ops")
+# GPT-OSS narrowed as tests/traced/test_sac_policy.py's toy: h = f = 128, 4 / 2 heads of 32,
+# 4 experts, top-2, a 32-token window on the first layer, the second full
+GPT_OSS = load_model("gpt-oss-20b").model_copy(update={
+    "name": "gpt-oss-toy", "num_layers": 2, "hidden_size": 128, "ffn_hidden_size": 128,
+    "num_attention_heads": 4, "num_kv_heads": 2, "head_dim": 32, "vocab_size": 512,
+    "sliding_window": 32, "moe": load_model("gpt-oss-20b").moe.model_copy(update={
+        "num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 128})})
+OSS = dict(seq_len=64, micro_batch_size=2, framework="hf", attention="eager",
+           moe_impl="grouped", precision="bf16-pure", norm_impl="upcast-fp32")
+
+
+def _oss(save: str = ""):
+    wl = make_workload(GPT_OSS, **OSS, recompute="ops",
+                       recompute_save=tuple(save.split(",")) if save else ())
+    return wl, Dims.of(GPT_OSS, make_layout(1), wl)
+
+
+def test_gpt_oss_items_by_hand() -> None:
+    """GPT-OSS's MoE block at T = 2 x 64 = 128 tokens, R = T k = 256 rows, bf16: the
+    router's addmm (T E e = 1,024 B; 2 h E + 2 E = 1,032 FLOPs a token with its bias), the
+    softmax of the top 2 in bf16 (R e = 512), the rows gathered once (R h e = 65,536), the
+    gate/up grouped mm (R 2f e = 131,072; k 4 h f = 131,072 FLOPs), the clamped gate,
+    sigmoid, glu, up + 1 and product (R f e = 65,536 each, k f = 256 FLOPs), the down grouped
+    mm (R h e = 65,536; k 2 f h = 65,536 FLOPs). The index of each among its layer's ops of
+    its family and width: the products f = h wide follow the two norms' two fp32 products
+    each (4, 5); with biases the projections' own outputs are saved by no one (no term).
+    The eager core's softmax over s_kv + 1 = 65 columns, the sink's included: b heads s 65
+    e = 66,560 B."""
+    wl, dm = _oss()
+    items = {i.name: (i.size_bytes, i.flops_per_token, i.op, i.width, i.nth, i.terms)
+             for i in ops_items(GPT_OSS, wl, dm)}
+    expected = {
+        "moe.router": (1_024, 1_032.0, "matmul", 4, 0, ()),
+        "moe.topk_weights": (512, 2.0, "softmax", 2, 0, ("moe.topk_weights",)),
+        "moe.dispatched": (65_536, 0.0, "index", 128, 0, ("moe.dispatched",)),
+        "moe.expert.gate_up": (131_072, 131_072.0, "grouped_mm", 256, 0, ()),
+        "moe.expert.gate_clamped": (65_536, 256.0, "clamp", 128, 0,
+                                    ("moe.expert.gate_clamped",)),
+        "moe.expert.sigmoid": (65_536, 256.0, "act", 128, 0, ("moe.expert.sigmoid",)),
+        "moe.expert.glu": (65_536, 256.0, "mul", 128, 4, ("moe.expert.glu",)),
+        "moe.expert.up_plus_one": (65_536, 256.0, "shift", 128, 0,
+                                   ("moe.expert.up_plus_one",)),
+        "moe.expert.prod": (65_536, 256.0, "mul", 128, 5, ("moe.expert.prod",)),
+        "moe.expert.down": (65_536, 65_536.0, "grouped_mm", 128, 0, ())}
+    assert {k: v for k, v in items.items() if k.startswith("moe.")} == expected
+    assert items["attn.softmax"][:5] == (66_560, 256.0, "softmax", 65, 0)
+
+
+def test_gpt_oss_policy_counts_by_hand() -> None:
+    """What the emitted policy counts per GPT-OSS layer (as transformers' GptOssDecoderLayer
+    runs, traced: tests/traced/test_sac_policy.py): products 128 wide, the two norms' two
+    fp32 products each, glu, the product and the routing weights' (7); two clamps; the
+    gathers h wide (the rows, the down projection's bias per row, the unsort) and R = 256
+    wide (the sorted weights, and the gate/up bias per row, 2f = 256 wide); the alpha
+    scaling, up + 1, the sigmoid; the histc copy of the R sorted ids."""
+    from memplan.model.layer import ops_unkept
+    from memplan.report.sac_policy import _counts
+
+    wl, dm = _oss()
+    counts = _counts(ops_items(GPT_OSS, wl, dm), ops_unkept(GPT_OSS, wl, dm))
+    assert {k: counts.get(k) for k in [
+        ("mul", 128), ("clamp", 128), ("index", 128), ("index", 256), ("scale", 128),
+        ("shift", 128), ("act", 128), ("copy", 256), ("grouped_mm", 256),
+        ("grouped_mm", 128)]} == {
+        ("mul", 128): 7, ("clamp", 128): 2, ("index", 128): 3, ("index", 256): 2,
+        ("scale", 128): 1, ("shift", 128): 1, ("act", 128): 1, ("copy", 256): 1,
+        ("grouped_mm", 256): 1, ("grouped_mm", 128): 1}
+
+
+def test_gpt_oss_forward_moments_by_hand() -> None:
+    """The checkpointed block's moments as transformers 5.23 writes the experts, bf16: the
+    routing tensors (top-k indices R 8 = 2,048, weights R e = 512, sort and unsort indices
+    2,048 each, token index 2,048, sorted weights 512: 9,216 less the unsort's 2,048 before
+    the down projection), the index locals R (8 + 4) = 3,072 and the rows gathered once
+    (65,536): 73,728; at the gate 9 R f e = 589,824 (the biased gate/up output and its
+    gathered bias, 2 each, the clamped gate and up, glu, up + 1, the product): 663,552; at
+    the unsort the unsort index 2,048, the down output, the weighted rows and their copy and
+    the down bias per row (4 R h e = 262,144): 337,920. Keeping the sigmoid adds R f e =
+    65,536 at the gate (the layer's forward peak), the gate/up projection's own output 2 R f e
+    = 131,072; glu and the down projection nothing (alive at the gate anyway; at the unsort
+    still under it)."""
+    from memplan.model.layer import layer_kind
+    from memplan.model.moe import grouped_kept_moments
+    from memplan.workload import Recompute
+
+    wl, dm = _oss()
+    assert [v for v, _ in grouped_kept_moments(GPT_OSS, dm)] == [663_552, 337_920]
+
+    def peak(save: str) -> int:
+        swl, _ = _oss(save)
+        return layer_kind(GPT_OSS, swl, dm, True, Recompute.OPS).forward_peak_bytes
+
+    base = peak("")
+    assert peak("moe.expert.sigmoid") - base == 65_536
+    assert peak("moe.expert.gate_up") - base == 131_072
+    assert peak("moe.expert.glu") == peak("moe.expert.down") == base
+
+
+def test_gpt_oss_rerun_moments_by_hand() -> None:
+    """The rerun's gate/up bias add and product against its unsort X (``layer.
+    _clamped_rerun``): X less the block's saved terms (7 R f e + R h e = 524,288), the down
+    biases and the weighted rows (65,536 each), plus 6 R f e = 393,216 at the add (X -
+    262,144) and 10 R f e = 655,360 at the product (X); each with the kept outputs the cache
+    still holds: keeping the down projection's output (65,536) and up + 1 (65,536), both at
+    the add, the down's at the product."""
+    from memplan.model.layer import layer_kind
+    from memplan.workload import Recompute
+
+    swl, dm = _oss("moe.expert.up_plus_one,moe.expert.down")
+    moments = {m.name: m.alive_bytes for m in
+               layer_kind(GPT_OSS, swl, dm, True, Recompute.OPS).moments}
+    x = moments["moe_rerun"]
+    assert moments["moe_rerun_gate_up"] - x == -262_144 + 131_072
+    assert moments["moe_rerun_prod"] - x == 65_536
+
+
+def test_gpt_oss_save_lists_add_their_bytes() -> None:
+    """Each kept output's bytes in both layers over full recompute: the clamped gate and the
+    sigmoid 2 x 65,536 each, the softmax with its sink column 2 x 66,560."""
+    def saved(**fields) -> int:
+        return estimate(GPT_OSS, **OSS, **fields).stages[0].activations_bytes
+
+    full = saved(recompute="full")
+    assert saved(recompute="ops", recompute_save="moe.expert.gate_clamped,moe.expert.sigmoid"
+                 ) - full == 4 * 65_536
+    assert saved(recompute="ops", recompute_save="attn.softmax") - full == 2 * 66_560
+
+
+@pytest.mark.parametrize(("update", "attention", "why"), [
+    ({}, "flash", "attention sinks with attention flash"),
+    ({"mlp_bias": False}, "eager", "clamped SwiGLU without its expert biases"),
+    ({"moe": GPT_OSS.moe.model_copy(update={"clamped_swiglu": False})}, "eager",
+     "expert biases without GPT-OSS's clamped SwiGLU"),
+    ({"attn_sinks": False}, "eager", "eager attention in MoE layers"),
+])
+def test_gpt_oss_refused_where_not_modelled(update: dict, attention: str, why: str) -> None:
+    spec = GPT_OSS.model_copy(update=update)
+    with pytest.raises(MemplanError, match=why):
+        estimate(spec, **{**OSS, "attention": attention}, recompute="ops")
+
+
+def test_gpt_oss_20b_auto_runs() -> None:
+    """``--recompute auto`` on gpt-oss-20b (eager attention, the hf preset) chooses a save
+    list among its items."""
+    est = estimate("gpt-oss-20b", seq_len=4096, micro_batch_size=1, framework="hf",
+                   attention="eager", recompute="auto", gpus=8, zero=3)
+    assert est.workload.recompute_save
