@@ -244,9 +244,9 @@ def _titan_kept(items: tuple[Item, ...], forced: set[tuple[int, int]],
     return out
 
 
-def _no_short_conv(target: str, spec: ModelSpec, what: str) -> None:
-    """Refuses a model with short-convolution layers (LFM2) for ``target``, which has
-    ``what``, and one with Mamba2 layers (Granite 4.0-H: ``memplan.model.sac_mamba`` models
+def _no_linear_mixers(target: str, spec: ModelSpec, what: str) -> None:
+    """Refuses a model whose layers without attention have no policy in ``target``: LFM2's
+    short convolutions (``target`` has ``what``), and Mamba2 layers (Granite 4.0-H: ``memplan.model.sac_mamba`` models
     transformers' torch_forward, no other framework's mixer)."""
     if spec.short_conv is not None:
         raise MemplanError(f"emit-policy {target}: {what}, so {spec.name}'s short-convolution "
@@ -265,7 +265,7 @@ _MLA_TITAN = ("(MLA: its op list has no aten.cat, so the query's and key's conca
 
 def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
                       command: str) -> str:
-    _no_short_conv("torchtitan", spec, "torchtitan 0.3.0 has no LFM2 model")
+    _no_linear_mixers("torchtitan", spec, "torchtitan 0.3.0 has no LFM2 model")
     names = {i.name for i in kept}
     if any(i.op == BMM for i in items):
         raise MemplanError(f"emit-policy torchtitan: {spec.name}'s eager attention core has no "
@@ -320,7 +320,7 @@ def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item
 
 def megatron_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
                     command: str) -> str:
-    _no_short_conv("megatron", spec, "Megatron-LM has no short-convolution mixer (no "
+    _no_linear_mixers("megatron", spec, "Megatron-LM has no short-convolution mixer (no "
                    "--recompute-modules names one)")
     names = {i.name for i in kept}
     modules: list[str] = []
