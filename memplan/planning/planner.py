@@ -675,28 +675,32 @@ def _set_index(ctx: _Context, fit: _Fit) -> int:
                for kept in lists)
 
 
-def _with_save_set(ctx: _Context, fit: _Fit, known: int = 0) -> _Fit:
+def _with_save_set(ctx: _Context, fit: _Fit, known: int = 0,
+                   budget: int | None = None) -> _Fit:
     """A fit of op-level checkpointing (found keeping nothing) with the save set of least
     recompute that fits its layout at its micro-batch (``memplan.planning.save_sets``): a
-    bisection of the layer's frontier, one evaluation per probe."""
+    bisection of the layer's frontier, one evaluation per probe. ``budget``: the bytes the
+    set's peak may reach (the plan's budget unless given); ``fit`` itself back where not even
+    the empty set fits it."""
     from memplan.model.dims import Dims
     from memplan.model.layer import ops_forward_peaks, ops_search_items
     from memplan.planning.save_sets import choose, frontier
 
     wl = ctx.workload(fit.policy).model_copy(update={"micro_batch_size": fit.mbs})
     peaks: dict[tuple[str, ...], int] = {}
+    budget = ctx.budget if budget is None else budget
 
     def fits(kept: tuple[str, ...]) -> int:
         peaks[kept] = evaluate(ctx.spec, fit.par, ctx.workload((Recompute.OPS, kept)),
                                fit.mbs, ctx.ovh).peak_bytes
         ctx.evaluated += 1
-        return ctx.budget - peaks[kept]  # (how far from the budget: choose guesses with it)
+        return budget - peaks[kept]  # (how far from the budget: choose guesses with it)
 
     dm = Dims.of(ctx.spec, fit.par, wl)
     sets = frontier(ops_search_items(ctx.spec, wl, dm))
     forward = ops_forward_peaks(ctx.spec, wl, dm, sets)
     if fit.par.pp > 1:
-        return _with_stage_sets(ctx, fit, sets, known, forward)
+        return _with_stage_sets(ctx, fit, sets, known, forward, budget)
     choice, _ = choose(sets, fits, known, forward)
     if choice is None:
         return fit
@@ -707,7 +711,7 @@ def _with_save_set(ctx: _Context, fit: _Fit, known: int = 0) -> _Fit:
 
 
 def _with_stage_sets(ctx: _Context, fit: _Fit, sets: tuple, known: int,
-                     forward: tuple[int, ...]) -> _Fit:
+                     forward: tuple[int, ...], budget: int) -> _Fit:
     """``_with_save_set`` under pipeline parallelism: each stage's own set
     (``save_sets.choose_per_stage``), one evaluation of every stage per probe."""
     from memplan.model.estimate import stage_peaks
@@ -723,7 +727,7 @@ def _with_stage_sets(ctx: _Context, fit: _Fit, sets: tuple, known: int,
         peaks[kept] = stage_peaks(ctx.spec, fit.par, wl, m, ctx.ovh)
         return peaks[kept]
 
-    chosen, asked = choose_per_stage(sets, at, ctx.budget, known, forward)
+    chosen, asked = choose_per_stage(sets, at, budget, known, forward)
     ctx.evaluated += asked
     if any(c is None for c in chosen):
         return fit
@@ -1012,7 +1016,8 @@ def _fit_reserved(ctx: _Context, ranked: list[Candidate], top: int | None,
                   result: PlanResult, taken: list[float] | None = None) -> list[Candidate]:
     """The candidates whose reserved peak fits the budget, fastest first: each, in order of
     its step time, is replayed (``_reserved_peak``); one that does not fit is tried again at
-    its next smaller micro-batch (re-timed, back in the order), down to the smallest. With
+    its next smaller micro-batch (re-timed, back in the order), down to the smallest; under
+    op-level checkpointing first keeping less at its micro-batch (``_retry_reserved``). With
     ``top`` only until ``top`` fit (the rest would not be shown). The search's peaks are
     lower bounds of the reserved ones (reserved memory holds the live tensors), so no
     configuration the search ruled out could fit here. A configuration's stages are replayed
@@ -1023,6 +1028,7 @@ def _fit_reserved(ctx: _Context, ranked: list[Candidate], top: int | None,
     heapq.heapify(heap)
     out: list[Candidate] = []
     misses: list[tuple[int, int, Candidate]] = []  # (lower bound, order, configuration)
+    retried: dict = {}  # op-level: (layout, micro-batch) -> (margin, save sets tried)
     count = len(heap)
     while heap and (top is None or len(out) < top):
         t, _, _, c = heapq.heappop(heap)
@@ -1035,19 +1041,56 @@ def _fit_reserved(ctx: _Context, ranked: list[Candidate], top: int | None,
             out.append(replace(c, known_peak_bytes=peak))
             continue
         misses.append((peak, len(misses), c))
-        smaller = [b for b in _sizes(c.layout, ctx.wl, ctx.wl.global_batch_size)
-                   if b < c.micro_batch_size]
-        if not smaller:
+        down = _retry_reserved(ctx, c, peak, retried)
+        if down is None:
             result.rejected[OUT_OF_RESERVED] += 1
             continue
-        policy = (c.recompute, c.recompute_layers if c.recompute is not Recompute.OPS
-                  else c.recompute_save)
-        t = _row_times(ctx, [(c.layout, policy, smaller[-1], c.num_params)]).at(0)
-        down = replace(c, micro_batch_size=smaller[-1], time=t, known_peak_bytes=None)
-        heapq.heappush(heap, (t.step_s, c.peak_bytes, count, down))
+        heapq.heappush(heap, (down.time.step_s, c.peak_bytes, count, down))
         count += 1
     _reserved_miss(ctx, misses, result)
     return sorted(out, key=lambda c: (c.time.step_s, c.peak_bytes))
+
+
+def _retry_reserved(ctx: _Context, c: Candidate, peak: int, retried: dict
+                    ) -> Candidate | None:
+    """What ``_fit_reserved`` tries after ``c``, whose reserved peak (``peak``; a lower bound
+    where the replay stopped at the first stage over the budget) did not fit: the same
+    layout at its next smaller micro-batch, same policy (None: none smaller). Op-level
+    checkpointing first keeps less at the same micro-batch: the save set is chosen again
+    (``_with_save_set``) against the budget less the most the allocator was seen to reserve
+    beyond a set's tensors at this layout and micro-batch (``peak`` less ``c``'s tensor
+    peak), and replayed in its turn; at a smaller micro-batch (where no set not tried fits
+    that budget) it is chosen again against the whole budget. Before, the same set was kept
+    at half the micro-batch (Llama 3 70B x 64, seq 8,192: every candidate shown at micro-
+    batch 1, step times up to 102 s, where keeping less at micro-batch 2 fits)."""
+    ops = c.recompute is Recompute.OPS
+    if ops:
+        key = (c.layout, c.micro_batch_size)
+        margin, tried = retried.get(key, (0, set()))
+        margin = max(margin, peak - c.peak_bytes, 1)
+        tried.add(tuple(c.recompute_save))
+        retried[key] = (margin, tried)
+        less = _ops_fit(ctx, c, c.micro_batch_size, ctx.budget - margin)
+        if less is not None and tuple(less.recompute_save) not in tried:
+            return less
+    smaller = [b for b in _sizes(c.layout, ctx.wl, ctx.wl.global_batch_size)
+               if b < c.micro_batch_size]
+    if not smaller:
+        return None
+    if ops and (fresh := _ops_fit(ctx, c, smaller[-1], ctx.budget)) is not None:
+        return fresh
+    policy = (c.recompute, c.recompute_layers if not ops else c.recompute_save)
+    t = _row_times(ctx, [(c.layout, policy, smaller[-1], c.num_params)]).at(0)
+    return replace(c, micro_batch_size=smaller[-1], time=t, known_peak_bytes=None)
+
+
+def _ops_fit(ctx: _Context, c: Candidate, mbs: int, budget: int) -> Candidate | None:
+    """``c``'s layout under op-level checkpointing at micro-batch ``mbs`` with the save set
+    of least recompute whose peak is within ``budget`` (``_with_save_set``); None where not
+    even the empty set is."""
+    fit = _Fit(-1, 0, c.layout, (Recompute.OPS, ()), mbs, -1, c.num_params)
+    found = _with_save_set(ctx, fit, 0, budget)
+    return None if found.peak_bytes < 0 else _ranked(ctx, [found])[0]
 
 
 def _replayed(ctx: _Context, c: Candidate) -> tuple[ModelSpec, GpuSpec, ParallelConfig,

@@ -390,3 +390,26 @@ def test_glm4_sandwich_norms_named_by_their_ops() -> None:
     wl32 = make_workload(spec, **kw, precision="fp32", recompute="ops")
     items32 = ops_items(spec, wl32, Dims.of(spec, make_layout(1), wl32))
     assert {i.op for i in items32 if "norm." in i.name} == {"norm"}
+
+
+def test_plan_auto_reserved_keeps_less_at_the_same_micro_batch() -> None:
+    """plan --recompute auto with the reserved check: an op-level candidate whose replayed
+    reserved peak is over the budget keeps less at the same micro-batch before its micro-batch
+    is halved (``_retry_reserved``). llama-7b x 8, seq 4,096: the search's second and third
+    (ZeRO 2 at micro-batch 2 keeping 16 items, ZeRO 3 at 4 keeping 11; tensor peaks 72.7 and
+    73.8 GiB) reserve 76.8 and 78.7 GiB against a 75.2 GiB budget. Before, both were retried
+    at half their micro-batch with the same set; now each is shown at its micro-batch,
+    keeping fewer items, its reserved peak replayed within the budget."""
+    from memplan.api import plan
+    from memplan.model.reserved import reserved_rank
+
+    kwargs = dict(gpus=8, seq_len=4096, recompute=["auto"], top=3)
+    raw = plan("llama-7b", reserved=False, **kwargs).candidates
+    fit = plan("llama-7b", reserved=True, **kwargs)
+    assert [reserved_rank(c.estimate).peak_bytes > fit.budget_bytes for c in raw] == \
+        [False, True, True]
+    for r, f in zip(raw, fit.candidates, strict=True):
+        assert (f.layout, f.micro_batch_size) == (r.layout, r.micro_batch_size)
+        assert reserved_rank(f.estimate).peak_bytes == f.peak_bytes <= fit.budget_bytes
+    assert [len(f.recompute_save) < len(r.recompute_save)
+            for r, f in zip(raw, fit.candidates)] == [False, True, True]
