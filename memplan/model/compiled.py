@@ -534,7 +534,9 @@ def sandwich_sum_stats_bytes(spec: ModelSpec, dm: Dims) -> int:
     kernel to the layer's last. The residual sum ``residual + post_attention_layernorm(
     attn_out)`` (transformers' Gemma2DecoderLayer.forward) is read by the pre-feedforward
     norm and the layer's final add, both pointwise kernels, so Inductor inlines it into each
-    (three reads, not realized: ``sandwich_rerun_norm_bytes``' rule) rather than writing it:
+    rather than writing it (it reads four buffers, the output projection's output, the
+    layer's input, the post-attention norm's weight and statistics: not more than four,
+    ``sandwich_rerun_norm_bytes``' rule):
     the last kernel (``cpp_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_10``)
     recomputes it from the output projection's output (held in the sum's place), the
     layer's input and those statistics. Traced: Gemma 2's layer, bf16, full recompute: at up's
