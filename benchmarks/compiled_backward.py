@@ -56,11 +56,19 @@ CASES = [  # (library: torchtitan, transformers (Llama), olmo2 or gemma2, fused 
     ("olmo2", False, "bfloat16", "none", 2, 1024),
     ("olmo2", False, "bfloat16", "full", 2, 64),
     ("olmo2", False, "bfloat16", "full", 2, 1024),
-    # transformers' Gemma 2 layer (sandwich norms, GeGLU: hf_configs.GEMMA2_TOY), no recompute
-    # (full recompute refused: memplan.parallel._compile_post_norm_refusal)
+    # transformers' Gemma 2 layer (sandwich norms, GeGLU: hf_configs.GEMMA2_TOY); full: the
+    # checkpoint inside the compiled graph, traced with Inductor's GPU realization rules
+    # (``GPU_REALIZE``)
     ("gemma2", False, "bfloat16", "none", 2, 64),
     ("gemma2", False, "bfloat16", "none", 2, 1024),
+    ("gemma2", False, "bfloat16", "full", 2, 256),
+    ("gemma2", False, "bfloat16", "full", 2, 1024),
 ]
+# the cases traced with ``compiled_layer_step(gpu_realize=True)``: on CPU Inductor's lowering
+# also makes the rebuilt GeGLU's fp32 tanh a buffer (a heavy op read twice), which a GPU's
+# inlines (``memplan.profile.compiled_trace._gpu_realization``; with the CPU's rules, Gemma 2
+# full's backward is T x f x 4 B higher: 2 x 1,024 tokens 33,055,232 B)
+GPU_REALIZE = {("gemma2", "full")}
 
 
 def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: int,
@@ -114,8 +122,9 @@ def traced_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: 
               else hf("gemma-2-9b", **GEMMA2_TOY) if library == "gemma2"
               else {"torchtitan": dict(TITAN, fuse_qkv=fused)})
     weights, autocast = ("float32", "bfloat16") if dtype == "amp-bf16" else (dtype, None)
-    _, forward, backward = compiled_layer_step(config, weights, batch, seq, autocast,
-                                               checkpoint)
+    _, forward, backward = compiled_layer_step(
+        config, weights, batch, seq, autocast, checkpoint,
+        gpu_realize=(library, checkpoint) in GPU_REALIZE)
     return forward, backward
 
 

@@ -731,14 +731,18 @@ def _compile_autocast_refusal(spec: ModelSpec, wl: Workload) -> str | None:
 def _compile_post_norm_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why a compiled layer with norms after its mixers is not modelled, or None: traced
     (``memplan.model.compiled``: ``post_norm_backward_bytes``, ``with_post_norm_schedule``,
-    ``rerun_whole_mlp``, ``qk_norm_stats_bytes``, ``norm_input_e``; tests/traced/
+    ``rerun_whole_mlp``, ``qk_norm_stats_bytes``, ``norm_input_e``,
+    ``sandwich_rerun_norm_bytes``, ``sandwich_sum_stats_bytes``; tests/traced/
     test_compile_trace.py, benchmarks/compiled_backward.py) in one compute dtype, one TP
     and CP rank (``validate``), no adapters, no float8, on transformers'
     ``Olmo2DecoderLayer`` (post norms, full-width q/k norms, SwiGLU), recompute none or full
     with the checkpoint inside the compiled graph (transformers' gradient checkpointing
     under the Trainer's ``torch_compile``), and ``Gemma2DecoderLayer`` (sandwich norms,
     Gemma's ``1 + weight``, no q/k norms, GeGLU with ``gelu_pytorch_tanh``), recompute none
-    (its rerun keeps fp32 buffers of the norm and the GELU: traced, not modelled): RMSNorm,
+    or full with the checkpoint inside the graph (its rerun keeps the pre-feedforward norm's
+    fp32 normalised input; traced with Inductor's GPU realization rules, which drop the CPU
+    rerun's fp32 GELU ``tanh``), a sandwich layer with SwiGLU under full recompute refused
+    (untraced): RMSNorm,
     RoPE, separate q/k/v without biases, SDPA, separate gate and up. A sliding window as
     long as the sequence or shorter is refused: transformers skips SDPA's mask only below it
     (masking_utils.py ``_ignore_causal_mask_sdpa``: ``kv_length < local_attention_size``),
@@ -751,7 +755,8 @@ def _compile_post_norm_refusal(spec: ModelSpec, wl: Workload) -> str | None:
            (spec.qk_norm.value != qk,
             f"{spec.norm_placement.value} norms and q/k norms {spec.qk_norm.value} "
             f"(traced: {qk})"),
-           (sandwich and wl.recompute is Recompute.FULL, "sandwich norms and recompute full"),
+           (sandwich and wl.recompute is Recompute.FULL and spec.mlp.value != "geglu",
+            "sandwich norms, recompute full and an MLP other than GeGLU"),
            (spec.position.value != "rope" or spec.rope_complex or spec.rope_interleaved
             or spec.rotary_dim is not None or spec.nope_layer_interval > 0,
             "post norms and a position encoding other than transformers' full RoPE"),
@@ -764,8 +769,10 @@ def _compile_post_norm_refusal(spec: ModelSpec, wl: Workload) -> str | None:
             "post norms and a parallel, scaled or dropout layer"),
            (spec.mlp.value not in ("swiglu", "geglu") or spec.fused_gate_up
             or spec.activation_impl.value != "kernel"
-            or (spec.mlp.value == "geglu" and wl.recompute is Recompute.FULL),
-            "post norms and an MLP other than SwiGLU or GeGLU (not rebuilt) with separate "
+            or (spec.mlp.value == "geglu" and wl.recompute is Recompute.FULL
+                and not sandwich),
+            "post norms and an MLP other than SwiGLU or GeGLU (rebuilt: with sandwich norms) "
+            "with separate "
             "gate and up projections"),
            (wl.precision.policy.autocast, f"post norms and precision {wl.precision.value}"),
            (wl.recompute is Recompute.SELECTIVE, "post norms and recompute selective"),
@@ -870,7 +877,7 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
                        "modelled yet (compile is modelled for pre-norm layers, dense or "
                        "with transformers' bf16 grouped experts, SDPA attention; OLMo 2's "
                        "post-norm layer in one dtype, recompute none or full, Gemma 2's "
-                       "sandwich-norm layer in one dtype, recompute none; under "
+                       "sandwich-norm layer in one dtype, recompute none or full; under "
                        "autocast a Llama-like dense layer (RMSNorm, RoPE, no biases, separate "
                        "q/k/v and gate/up) without adapters or float8 on one TP rank, "
                        "recompute none or full; LoRA on unquantized or torchao NF4 base weights "

@@ -60,9 +60,14 @@ the graph, the rerun runs the whole MLP for that norm's backward (``rerun_whole_
 the checkpointed forward holds the q/k norms' statistics at RoPE's kernel
 (``qk_norm_stats_bytes``). With sandwich norms (Gemma2DecoderLayer) the pre-feedforward
 norm's input is recomputed from tensors saved anyway (``norm_input_e``) and the MLP post
-norm's weight gradient runs at its own backward; rebuilt, its rerun keeps fp32 buffers not
-modelled (refused). Traced: tests/traced/test_compile_trace.py (bf16, 2 x 256),
-benchmarks/compiled_backward.py (2 x 64, 2 x 1,024).
+norm's weight gradient runs at its own backward; rebuilt inside the graph, its GeGLU's
+backward runs in the order of a layer not rebuilt (``swiglu_backward``), the rerun keeps
+the pre-feedforward norm's fp32 normalised input (``sandwich_rerun_norm_bytes``) and the
+checkpointed forward the post-attention norm's statistics (``sandwich_sum_stats_bytes``).
+Traced: tests/traced/test_compile_trace.py (bf16, 2 x 256), benchmarks/compiled_backward.py
+(2 x 64, 2 x 256, 2 x 1,024), the rebuilt layer with Inductor's GPU realization rules
+(``memplan.profile.compiled_trace._gpu_realization``: on CPU the rerun also keeps GELU's
+fp32 ``tanh``, which a GPU's lowering inlines).
 """
 
 from __future__ import annotations
@@ -275,10 +280,14 @@ def swiglu_backward(spec: ModelSpec, dm: Dims, recompute: Recompute) -> bool:
     ``gelu_pytorch_tanh``) not rebuilt: the same kernels (traced: benchmarks/
     compiled_backward.py, Gemma 2's layer, bf16, no recompute:
     ``cpp_fused__unsafe_view_gelu_gelu_backward_mul_view_2`` writing up's gradient into up's
-    buffer and the gate's anew); rebuilt, its rerun keeps an fp32 intermediate of the GELU
-    (traced, not modelled)."""
+    buffer and the gate's anew); rebuilt with sandwich norms (Gemma 2's layer, full
+    recompute: ``rerun_whole_mlp``) the same kernels in the order of a layer not rebuilt
+    (``cpp_fused__unsafe_view_gelu_gelu_backward_mul_view_12``). Its CPU rerun keeps GELU's
+    fp32 ``tanh`` for that kernel, a CPU heuristic of Inductor's, not a GPU's
+    (``sandwich_rerun_norm_bytes``); rebuilt after pre norms, untraced."""
     return (_gated_kernel(spec, dm)
-            and (spec.mlp is MlpKind.SWIGLU or spec.mlp is MlpKind.GEGLU and not dm.rerun)
+            and (spec.mlp is MlpKind.SWIGLU or spec.mlp is MlpKind.GEGLU and (
+                not dm.rerun or spec.norm_placement is NormPlacement.SANDWICH))
             and spec.dropout == 0
             and dm.float8 is Float8Recipe.NONE and recompute is Recompute.NONE)
 
@@ -469,13 +478,17 @@ def with_post_norm_schedule(moments: Sequence[LayerMoment], spec: ModelSpec, wl:
     (traced: benchmarks/compiled_backward.py, Gemma 2's layer, bf16, no recompute,
     ``cpp_fused__to_copy__unsafe_view_mul_sum_view_0`` before the input gradient's kernel:
     Inductor's fusion there does not join it to the attention post norm's reduction, as it
-    does in OLMo 2's layer; observed, not derived)."""
+    does in OLMo 2's layer; observed, not derived). Rebuilt (full recompute inside the
+    graph) the pre-feedforward norm's fp32 normalised input is alive from the rerun to its
+    weight gradient, after the MLP's input gradients (``sandwich_rerun_norm_bytes``); no
+    activation buffer beside the product (GELU's ``tanh`` inlined, as a GPU lowers it)."""
     if not (dm.compiled and spec.norm_placement.post_norm):
         return list(moments)
-    kept = (dm.rows * spec.hidden_size * dm.e + dm.rows * FP32_BYTES
-            if spec.norm_placement is NormPlacement.POST else 0)
-    silu = (dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
-            if recompute is Recompute.FULL and not in_checkpoint(wl) else 0)
+    post = spec.norm_placement is NormPlacement.POST
+    kept = dm.rows * spec.hidden_size * dm.e + dm.rows * FP32_BYTES if post else 0
+    rebuilt = recompute is Recompute.FULL and not in_checkpoint(wl)
+    silu = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e if rebuilt and post else 0
+    normed = sandwich_rerun_norm_bytes(spec, dm) if rebuilt else 0
     out, state = [], "before"
     for m in moments:
         state = {"mlp_post_norm": "post", "mlp_act": "kernel",
@@ -483,10 +496,55 @@ def with_post_norm_schedule(moments: Sequence[LayerMoment], spec: ModelSpec, wl:
         if kept and state in ("post", "kernel") and m.name != "mlp_post_norm":
             m = m._replace(alive_bytes=m.alive_bytes + kept, grads_before=tuple(
                 g for g in m.grads_before if g != "mlp_post_norm"))
-        if state in ("before", "post"):
-            m = m._replace(alive_bytes=m.alive_bytes + silu)
-        out.append(m)
+        held = (silu if state in ("before", "post") else 0) + (
+            normed if state != "after" and m.name != "mlp_norm" else 0)
+        out.append(m._replace(alive_bytes=m.alive_bytes + held))
     return out
+
+
+def sandwich_rerun_norm_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """Compiled with sandwich norms (``NormPlacement.SANDWICH``, transformers'
+    Gemma2DecoderLayer) and rebuilt inside the graph (``Dims.rerun``): the pre-feedforward
+    norm's normalised input in fp32 (Gemma2RMSNorm._norm of ``x.float()``: x rsqrt(mean(x^2)
+    + eps)), rows x h x 4 B, which the rerun's norm kernel
+    (``cpp_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_8``) writes beside the bf16
+    output the gate and up matmuls read, and the norm's weight-gradient reduction
+    (``cpp_fused__to_copy_add_mul_sum_view_13``, after both input projections'
+    grad-input matmuls) reads: alive from the rerun to that reduction. Inductor's lowering
+    makes a pointwise value read by two users a buffer when it reads more than four
+    (torch/_inductor/ir.py ``StorageBox.should_realize_on_reuse``,
+    ``config.realize_reads_threshold`` 4), on any device: this one reads five (the output
+    projection's output and the layer's input, whose sum is recomputed, the post-attention
+    norm's weight and statistics, its own statistics). Without recompute the partitioner
+    saves the statistics and the backward recomputes it (no buffer). 0 elsewhere. The GELU's
+    fp32 ``tanh`` is one too on CPU alone (a value of a heavy op read twice: ``is_cpu``'s
+    branch there), T x f x 4 B alive from the rerun to GELU's backward kernel, not on a GPU:
+    not counted. Traced: benchmarks/compiled_backward.py and tests/traced/
+    test_compile_trace.py, Gemma 2's layer, bf16, full recompute, 2 x 256 and 2 x 1,024
+    tokens, with ``memplan.profile.compiled_trace._gpu_realization``: ``buf20``, (2, 256,
+    256) float32 at 2 x 256."""
+    if not (dm.compiled and dm.rerun and spec.norm_placement is NormPlacement.SANDWICH):
+        return 0
+    return dm.rows * spec.hidden_size * FP32_BYTES
+
+
+def sandwich_sum_stats_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """Compiled with sandwich norms, in a forward whose checkpoint is inside the graph
+    (nothing saved): the post-attention norm's statistics (rows x 4 B), alive from its
+    kernel to the layer's last. The residual sum ``residual + post_attention_layernorm(
+    attn_out)`` (transformers' Gemma2DecoderLayer.forward) is read by the pre-feedforward
+    norm and the layer's final add, both pointwise kernels, so Inductor inlines it into each
+    rather than writing it (it reads four buffers, the output projection's output, the
+    layer's input, the post-attention norm's weight and statistics: not more than four,
+    ``sandwich_rerun_norm_bytes``' rule):
+    the last kernel (``cpp_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_10``)
+    recomputes it from the output projection's output (held in the sum's place), the
+    layer's input and those statistics. Traced: Gemma 2's layer, bf16, full recompute: at up's
+    matmul ``buf19``, (2, 256, 1) float32 at 2 x 256. OLMo 2's post norms write the sum (the
+    MLP's matmuls read it): 0 there, and elsewhere."""
+    if not (dm.compiled and spec.norm_placement is NormPlacement.SANDWICH):
+        return 0
+    return dm.rows * FP32_BYTES
 
 
 def sac_schedule(spec: ModelSpec, dm: Dims) -> bool:

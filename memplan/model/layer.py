@@ -214,8 +214,7 @@ def layer_terms(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
 def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
                     recompute: Recompute, variant: str = "",
                     saved: tuple[list[Term], ...] | None = None) -> list[ForwardMoment]:
-    """Local peaks of one layer's forward (see the module docstring); ``saved``:
-    ``layer_terms``'."""
+    """Local peaks of one layer's forward (the module docstring); ``saved``: ``layer_terms``'."""
     wl = compiled.layer_workload(wl)
     blocks = layer_blocks(spec, moe_layer, variant)
     stream = dm.stream(spec.hidden_size)
@@ -247,7 +246,8 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
             out += [ForwardMoment(m.name, held + casts + kept + _beside_second(spec, b, stream)
                                   + m.transient_bytes, 0, b.name)
                     for b in post for m in b.working_set(spec, wl, dm)]
-            held += casts + stream + kept  # the sub-layer's residual sum joins the input
+            # the residual sum joins the input (or what it is recomputed from)
+            held += casts + stream + kept + compiled.sandwich_sum_stats_bytes(spec, dm)
             # Falcon-H1's scaled mixer outputs, the layer's locals to its return
             held += falcon_h1.held_bytes(spec, dm) if isinstance(mixer, ParallelMamba) else 0
         return out

@@ -355,18 +355,57 @@ def compiled_layer_peaks(config: dict, dtype_name: str, batch: int, seq: int,
 
 def compiled_layer_step(config: dict, dtype_name: str, batch: int, seq: int,
                         autocast: str | None = None, checkpoint: str = "none",
-                        kernel_per_node: bool = True) -> tuple[list[SavedTensor], int, int]:
+                        kernel_per_node: bool = True, gpu_realize: bool = False,
+                        ) -> tuple[list[SavedTensor], int, int]:
     """``compiled_layer_saved``'s saved set and ``compiled_layer_peaks``' (forward peak,
     backward peak) from one compile (a dense transformers layer: ``_layer``), by default one
-    kernel per scheduler node (``_kernel_per_node``)."""
+    kernel per scheduler node (``_kernel_per_node``). ``gpu_realize``: Inductor's lowering
+    decides which reused pointwise values become buffers as it would for a GPU
+    (``_gpu_realization``)."""
     import torch
 
     rows: list[list[SavedTensor]] = []
     per_node = _kernel_per_node() if kernel_per_node else contextlib.nullcontext()
-    with (torch.backends.mkldnn.flags(enabled=False), _recursion_limit_kept(), per_node):
+    realize = _gpu_realization() if gpu_realize else contextlib.nullcontext()
+    with (torch.backends.mkldnn.flags(enabled=False), _recursion_limit_kept(), per_node,
+          realize):
         forward, backward = _peaks(config, dtype_name, batch, seq, autocast, checkpoint, rows)
     assert len(rows) == 1, f"expected one partitioned graph, got {len(rows)}"
     return rows[0], forward, backward
+
+
+@contextlib.contextmanager
+def _gpu_realization() -> Iterator[None]:
+    """Inductor's lowering realizes a pointwise value read by several users (a buffer of its
+    own rather than its ops inlined into each reader) by device: on CPU any value computed
+    with a "heavy" op (``exp``, ``tanh``, ``sigmoid``...), and with other read and op-count
+    thresholds (torch/_inductor/ir.py ``StorageBox.should_realize_on_reuse``,
+    ``has_exceeded_max_reads``, ``Loops.has_large_inner_fn``: ``is_cpu`` picks
+    ``config.realize_cpu_*``; torch 2.13). Here those three decide as for a GPU tensor
+    (``is_cpu`` false inside them alone), so the CPU run holds the buffers a GPU run holds;
+    the kernels still run on CPU."""
+    from torch._inductor import ir
+
+    patched = [(ir.StorageBox, "should_realize_on_reuse"), (ir.StorageBox,
+               "has_exceeded_max_reads"), (ir.Loops, "has_large_inner_fn")]
+    originals = [getattr(cls, name) for cls, name in patched]
+
+    def as_gpu(original: Any) -> Any:
+        def decide(*args: Any, **kwargs: Any) -> Any:
+            is_cpu, ir.is_cpu = ir.is_cpu, lambda *_: False
+            try:
+                return original(*args, **kwargs)
+            finally:
+                ir.is_cpu = is_cpu
+        return decide
+
+    for (cls, name), original in zip(patched, originals, strict=True):
+        setattr(cls, name, as_gpu(original))
+    try:
+        yield
+    finally:
+        for (cls, name), original in zip(patched, originals, strict=True):
+            setattr(cls, name, original)
 
 
 @contextlib.contextmanager

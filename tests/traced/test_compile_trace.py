@@ -760,3 +760,62 @@ def test_compiled_sandwich_layer_matches_trace() -> None:
     assert sum(t.size_bytes for t in traced_saved
                if not t.graph_input or t.shape == stream) == saved
     assert (traced_forward, traced_backward) == (saved, backward)
+
+
+@pytest.mark.parametrize("gpu_realize", [True, False])
+def test_compiled_sandwich_layer_rebuilt_matches_trace(gpu_realize: bool) -> None:
+    """transformers' ``Gemma2DecoderLayer`` (as ``test_compiled_sandwich_layer_matches_trace``)
+    in bf16 under full recompute, the checkpoint inside the compiled graph (transformers'
+    gradient checkpointing under the Trainer's ``torch_compile``), at 2 x 256 tokens, one
+    kernel per scheduler node. By hand, S = 262,144, K = 131,072, F = 917,504, r = 2,048, the
+    logsumexp 16,384, W = 458,752, and N = T h 4 = 524,288 (the pre-feedforward norm's fp32
+    normalised input, ``compiled.sandwich_rerun_norm_bytes``):
+
+    - saved the layer's input S; forward at up's matmul: the output projection's output (the
+      residual sum recomputed from it at the end), the post-attention norm's statistics
+      (``compiled.sandwich_sum_stats_bytes``), the pre-feedforward norm's output, gate and up:
+      2 S + r + 2 F = 2,361,344 B (the trace 5,056 B more: the CPU generator's state the
+      checkpoint saves around SDPA, ``run_and_save_rng_state``; a CUDA generator's is a seed
+      and an offset). Before: refused; the refusal bypassed, 2,359,296 (-0.3%);
+    - backward at GeGLU's fused kernel (``cpp_fused__unsafe_view_gelu_gelu_backward_mul_
+      view_12``): the held output S, the rerun's attention side (the input norm's output S
+      and statistics r, RoPE'd q S in SDPA backward's layout, k and v 2 K, SDPA's output S,
+      its token-major copy S, the logsumexp), the output projection's output S and r, the
+      pre-feedforward norm's output S, its statistics r and N, gate F, up F (up's gradient
+      written into it), the product's gradient F (in the product's buffer) and the gate's F,
+      W and the post-feedforward norm's weight gradient (h 2 = 512): 7 S + 2 K + 3 r +
+      16,384 + N + 4 F + W + 512 = 6,773,248 B with Inductor's GPU realization rules
+      (``gpu_realize``), memplan exact. Before, the refusal bypassed: 6,904,320 (+1.9%, the
+      eager GeGLU order: the product beside its gradient, no copy, no N).
+    - Inductor's CPU rules (the default) also make GELU's fp32 ``tanh`` a buffer (T f 4 =
+      1,835,008: a heavy op read twice, realized on CPU alone) alive from the rerun to that
+      kernel: 8,608,256 B, memplan (a GPU's) 21% under by exactly that buffer; nothing else
+      differs."""
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from memplan.profile.compiled_trace import compiled_layer_step
+
+    s, k, f, r, w, n = 262_144, 131_072, 917_504, 2_048, 458_752, 524_288
+    forward = 2 * s + r + 2 * f
+    backward = 7 * s + 2 * k + 3 * r + 16_384 + n + 4 * f + w + 512
+    assert (forward, backward) == (2_361_344, 6_773_248)
+    batch, seq = 2, 256
+    spec = spec_from_hf_dict(GEMMA2, "gemma2-toy", "gemma2-toy")
+    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure",
+                  recompute=Recompute.FULL, compile=True)
+    validate(spec, ParallelConfig(), wl)  # no longer refused
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, Recompute.FULL)
+    groups = grad_group_params(spec, 1, 1, False)
+    model_backward = max(m.alive_bytes + m.transient_bytes
+                         + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    assert kind.saved_bytes == s
+    assert kind.forward_peak_bytes - s == forward
+    assert model_backward - s == backward
+    traced_saved, traced_forward, traced_backward = compiled_layer_step(
+        GEMMA2, "bfloat16", batch, seq, checkpoint="full", gpu_realize=gpu_realize)
+    stream = (batch, seq, 256)
+    assert sum(t.size_bytes for t in traced_saved
+               if not t.graph_input or t.shape == stream) == s
+    tanh = 0 if gpu_realize else batch * seq * 896 * 4
+    assert (traced_forward, traced_backward) == (forward + 5_056, backward + tanh)

@@ -534,7 +534,7 @@ def test_compiled_post_norm_checkpointed_forward_holds_the_qk_statistics() -> No
     ({"norm_placement": "sandwich"}, "none", r"sandwich norms and q/k norms full \(traced: none"),
     ({"qk_norm": "head"}, "none", r"post norms and q/k norms head \(traced: full"),
     ({"norm_placement": "sandwich", "qk_norm": "none"}, "full",
-     "sandwich norms and recompute full"),
+     "sandwich norms, recompute full and an MLP other than GeGLU"),
     ({"sliding_window": 32}, "none", "sliding-window attention over a sequence as long"),
     ({"qkv_bias": True}, "none", "post norms and biases"),
     ({"mlp": "geglu"}, "full", "an MLP other than SwiGLU or GeGLU"),
@@ -589,3 +589,51 @@ def test_compiled_sandwich_layer_terms_and_moments() -> None:
     act = moments["mlp_act"]
     assert (act.alive_bytes, act.transient_bytes) == (104_192, 53_248)
     assert "mlp_post_norm" in act.grads_before
+
+
+def test_compiled_sandwich_layer_rebuilt_inside_the_graph() -> None:
+    """Full recompute, the checkpoint inside the compiled graph (Gemma 2's layer rebuilt; by
+    hand, S = 8,192, r = 256, F = 22,528, k and v 4,096 each, the logsumexp 1,024):
+
+    - ``sandwich_rerun_norm_bytes``: the pre-feedforward norm's fp32 normalised input,
+      T x h x 4 = 64 x 64 x 4 = 16,384; ``sandwich_sum_stats_bytes``: the post-attention
+      norm's statistics, T x 4 = 256; both 0 eagerly, and for a post-norm (OLMo 2) layer;
+    - forward at up's matmul: the input S, the output projection's output S (in the residual
+      sum's place) and the statistics r, the pre-feedforward norm's output S, gate and up
+      2 F: 3 S + r + 2 F = 69,888 B (before: 69,632, without r);
+    - backward at GeGLU's fused kernel (the order of a layer not rebuilt: the down weight's
+      gradient first, the product's buffer taking its gradient): the rerun's saved set less
+      the product and the MLP post norm's input and statistics (freed at its own backward),
+      6 S (input, input norm's output, RoPE'd q, SDPA's output, the output projection's
+      output, the pre-feedforward norm's output) + 3 r + 8,192 + 1,024 + 2 F = 103,936 (nothing
+      of it the rerun re-saves beyond), + SDPA output's token-major copy S
+      (``rerun_output_copy_bytes``) + the fp32 normalised input 16,384 = 128,768 alive;
+      beside them the incoming gradient S and the kernel's two new F (the product's gradient
+      in the product's buffer, the gate's): 8,192 + 45,056 = 53,248."""
+    from memplan.model.compiled import sandwich_rerun_norm_bytes, sandwich_sum_stats_bytes
+
+    wl = Workload.model_validate({**WL.model_dump(), "recompute": "full"})
+    validate(SANDWICH, ParallelConfig(), wl)  # no longer refused
+    dm = Dims.of(SANDWICH, ParallelConfig(), wl)
+    rerun = dm._replace(rerun=True)
+    assert sandwich_rerun_norm_bytes(SANDWICH, rerun) == 16_384
+    assert sandwich_rerun_norm_bytes(SANDWICH, dm) == 0  # the first forward's: nothing
+    assert sandwich_sum_stats_bytes(SANDWICH, dm) == 256
+    post = Dims.of(POST, ParallelConfig(), wl)
+    assert sandwich_rerun_norm_bytes(POST, post._replace(rerun=True)) == 0
+    assert sandwich_sum_stats_bytes(POST, post) == 0
+    eager = Dims.of(SANDWICH, ParallelConfig(), wl.model_copy(update={"compile": False}))
+    assert sandwich_sum_stats_bytes(SANDWICH, eager) == 0
+    kind = layer_kind(SANDWICH, wl, dm, False, Recompute.FULL)
+    assert kind.forward_peak_bytes == dict(kind.forward_blocks)["mlp"] == 69_888
+    moments = {m.name: m for m in kind.moments}
+    act = moments["mlp_act"]
+    assert (act.alive_bytes, act.transient_bytes) == (128_768, 53_248)
+    assert act.grads_before == ("mlp_post_norm", "mlp_out")
+    # past the norm's weight gradient the fp32 tensor is gone: the norm's backward holds
+    # neither it nor the MLP's tensors
+    assert moments["mlp_norm"].alive_bytes < act.alive_bytes - 16_384 - 2 * 22_528
+    # a sandwich layer with SwiGLU rebuilt: untraced, refused
+    swiglu = ModelSpec.model_validate({**SANDWICH.model_dump(), "mlp": "swiglu"})
+    with pytest.raises(LayoutError, match="sandwich norms, recompute full and an MLP other"):
+        validate(swiglu, ParallelConfig(), wl)
