@@ -194,7 +194,8 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
              etp: int | None = None, vpp_group: int | None = None,
              overheads: Overheads | None = None,
              schedule: Schedule | str = Schedule.ONE_F_ONE_B,
-             calibration: str | list[str] | None = None, **workload: Any) -> Estimate:
+             calibration: str | list[str] | None = None, fit_reserved: str | None = None,
+             **workload: Any) -> Estimate:
     """Per-GPU memory of training ``model`` on ``gpus`` GPUs.
 
     ``workload`` takes the ``Workload`` fields (micro_batch_size, global_batch_size, seq_len,
@@ -205,6 +206,9 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
     overrides the GPU's capacity. ``offload``: what lives in host memory ("optimizer",
     "activations", "params", a comma list or a collection of them; ``Offload``). ``calibration``: profile paths (or "auto", the committed profile for ``gpu``)
     whose correction is added as its own line (``memplan.calibrate.apply``).
+    ``fit_reserved`` (with ``recompute="auto"``; an allocator configuration in
+    ``PYTORCH_CUDA_ALLOC_CONF``'s form, "" for the defaults): the save set must also fit once
+    the caching allocator is replayed under it, as ``plan`` fits (``_auto_save``).
     Raises ``MemplanError`` for any invalid input.
     """
     gpu_spec = _gpu(gpu)
@@ -213,6 +217,11 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
     schedule = arguments.choice("schedule", schedule, Schedule)
     calibration = arguments.strings("calibration", calibration)
     auto = workload.get("recompute") == AUTO
+    if fit_reserved is not None:
+        arguments.one_of("fit_reserved", fit_reserved, (str,), what="an allocator configuration")
+        if not auto:
+            raise MemplanError("fit_reserved chooses recompute auto's save set: give it with "
+                               f"recompute='auto', got recompute={workload.get('recompute')!r}")
     if auto:  # the save set is chosen below, once the layout and its budget are known
         workload = {**workload, "recompute": "ops"}
     # the arguments are plain already: resolve's own wrapper would check them a second time
@@ -223,7 +232,7 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
         stage_layers=stage_layers, dp_shard=dp_shard, etp=etp, vpp_group=vpp_group,
         **workload)
     if auto:
-        wl = _auto_save(spec, gpu_spec, par, wl, capacity, overheads, schedule)
+        wl = _auto_save(spec, gpu_spec, par, wl, capacity, overheads, schedule, fit_reserved)
     est = _estimate(spec, gpu_spec, par, wl, capacity_bytes=capacity,
                     overheads=overheads,
                     schedule=schedule)
@@ -240,41 +249,83 @@ AUTO = "auto"
 
 
 def _auto_save(spec: ModelSpec, gpu: GpuSpec, par: Any, wl: Workload, capacity: int | None,
-               overheads: Overheads | None, schedule: Schedule) -> Workload:
+               overheads: Overheads | None, schedule: Schedule,
+               fit_reserved: str | None = None) -> Workload:
     """``wl`` (recompute ops) with the save set of least recompute that fits the GPU
     (``memplan.planning.save_sets``); the empty set when none does (the estimate then says
-    it does not fit)."""
+    it does not fit). ``fit_reserved`` (an allocator configuration, ``PYTORCH_CUDA_ALLOC_CONF``'s
+    form, "" for the defaults): the set must also fit once the caching allocator is replayed
+    (``_reserved_excess``); one that does not is chosen again against the capacity less the
+    most the allocator reserved beyond a chosen set's tensors, as ``plan``'s reserved check
+    does (``memplan.planning.planner._retry_reserved``), until one fits or none not tried
+    does (the last is kept: the replay then says where it runs out)."""
     from memplan.model.dims import Dims
     from memplan.model.estimate import resolve_split
     from memplan.model.layer import ops_forward_peaks, ops_search_items
-    from memplan.planning.save_sets import choose, frontier
+    from memplan.planning.save_sets import frontier
 
-    resolved = resolve_split(spec, par, wl)
-    dm = Dims.of(spec, resolved, wl)
+    dm = Dims.of(spec, resolve_split(spec, par, wl), wl)
     sets = frontier(ops_search_items(spec, wl, dm))
     forward = ops_forward_peaks(spec, wl, dm, sets)
 
-    def with_save(kept: tuple[str, ...]) -> Workload:
-        return wl.model_copy(update={"recompute_save": tuple(sorted(kept))})
+    def run(save: tuple[str, ...]) -> Any:
+        return _estimate(spec, gpu, par, wl.model_copy(update={"recompute_save": save}),
+                         capacity_bytes=capacity, overheads=overheads, schedule=schedule)
 
-    def run(kept: tuple[str, ...]) -> Any:
-        return _estimate(spec, gpu, par, with_save(kept), capacity_bytes=capacity,
-                         overheads=overheads, schedule=schedule)
+    capacity_bytes = run(()).capacity_bytes
+    save = _save_within(sets, forward, run, capacity_bytes)
+    tried, margin = {save}, 0
+    while fit_reserved is not None:
+        excess = _reserved_excess(run(save), fit_reserved)
+        if excess is None:
+            break
+        # (+1: where the allocator runs out of memory the replay reads the whole capacity,
+        # which the set's peak plus the margin then reaches exactly)
+        margin = max(margin, excess + 1)
+        again = _save_within(sets, forward, run, capacity_bytes - margin)
+        if again in tried:
+            break
+        tried.add(again)
+        save = again
+    return wl.model_copy(update={"recompute_save": save})
 
-    if resolved.pp > 1:  # a set per stage: the first stages hold more micro-batches
+
+def _save_within(sets: tuple, forward: tuple, run: Any, budget: int) -> tuple[str, ...]:
+    """The save list of least recompute whose estimate (``run``) peaks within ``budget``: one
+    set for every layer, or under pipeline parallelism one per stage (the first stages hold
+    more micro-batches in flight); the empty set where none fits."""
+    from memplan.planning.save_sets import choose, choose_per_stage
+
+    if run(()).parallel.pp > 1:
         from memplan.model.sac_ops import stage_lists
-        from memplan.planning.save_sets import choose_per_stage
 
-        budget = run(()).capacity_bytes
         chosen, _ = choose_per_stage(sets, lambda kept: tuple(
-            s.peak_bytes for s in run(kept).stages), budget, forward=forward)
-        return with_save(stage_lists([c.kept if c else () for c in chosen]))
+            s.peak_bytes for s in run(tuple(sorted(kept))).stages), budget, forward=forward)
+        return tuple(sorted(stage_lists([c.kept if c else () for c in chosen])))
+    choice, _ = choose(sets, lambda kept: run(tuple(sorted(kept))).peak_bytes <= budget,
+                       forward=forward)
+    return () if choice is None else tuple(sorted(choice.kept))
 
-    def fits(kept: tuple[str, ...]) -> bool:
-        return run(kept).fits
 
-    choice, _ = choose(sets, fits, forward=forward)
-    return wl if choice is None else wl.model_copy(update={"recompute_save": tuple(sorted(choice.kept))})
+def _reserved_excess(est: Any, alloc_conf: str) -> int | None:
+    """How many bytes more than its tensors' peak the most loaded stage needs once the caching
+    allocator is replayed under ``alloc_conf`` and the device's capacity
+    (``memplan.model.reserved.estimate_reserved``; each stage's reserved peak with the fixed
+    overheads its peak counts), where that is over the capacity or the allocator runs out of
+    memory; None where every stage fits."""
+    from memplan.model.reserved import estimate_reserved
+
+    def need(i: int, r: Any) -> int:
+        s = est.stages[i]
+        return s.peak_bytes + r.reserved_peak_bytes - s.tensor_peak_bytes
+
+    def over(i: int, r: Any) -> bool:
+        return r.oom_step is not None or need(i, r) > est.capacity_bytes
+
+    got = estimate_reserved(est, alloc_conf, with_expandable=False, stop=over)
+    if not over(len(got) - 1, got[-1]):
+        return None
+    return max(need(i, r) - est.stages[i].peak_bytes for i, r in enumerate(got))
 
 
 def _as_list(value: str | list[str]) -> list[str]:

@@ -106,6 +106,8 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
         from memplan.model.reserved import config_of, estimate_reserved
 
         config_of(alloc_conf, None)  # an option the model does not follow: refused first
+    if wanted and kwargs.get("recompute") == "auto":  # the set chosen against the replay
+        kwargs = {**kwargs, "fit_reserved": alloc_conf or ""}
     est = run_estimate(model, **kwargs)
     if emit_policy is not None:
         from memplan.report.sac_policy import emit_for

@@ -108,6 +108,9 @@ def estimate_json(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
             "precision": wl.precision.value, "optimizer": wl.optimizer.value,
             "optimizer_impl": wl.optimizer_impl.value, "recompute": wl.recompute.name.lower(),
             "recompute_layers": wl.recompute_layers, "recompute_every": wl.recompute_every,
+            # recompute ops: what each layer keeps (``memplan.model.sac_ops``)
+            **({"recompute_save": list(wl.recompute_save)}
+               if wl.recompute.name.lower() == "ops" else {}),
             "attention": wl.attention.value,
             "norm_impl": wl.norm_impl.value, "logits_fp32": wl.logits_fp32,
             "loss_chunks": wl.loss_chunks, "logits_held": wl.logits_held.value,

@@ -413,3 +413,53 @@ def test_plan_auto_reserved_keeps_less_at_the_same_micro_batch() -> None:
         assert reserved_rank(f.estimate).peak_bytes == f.peak_bytes <= fit.budget_bytes
     assert [len(f.recompute_save) < len(r.recompute_save)
             for r, f in zip(raw, fit.candidates)] == [False, True, True]
+
+
+def test_estimate_auto_with_reserved_fits_the_replay() -> None:
+    """estimate --recompute auto --reserved (API: ``fit_reserved``): llama-7b x 8, ZeRO 2,
+    micro-batch 4, seq 4,096 on an 80 GB H100. Chosen against the tensor peak alone the set
+    (ten items) peaks at 78.31 GiB of 79.19, and the replayed allocator runs out of memory in
+    step 2; chosen against the replay, the set keeps less and every stage fits once
+    replayed."""
+    from memplan.errors import MemplanError
+    from memplan.model.reserved import estimate_reserved
+
+    kwargs = dict(gpus=8, zero=2, micro_batch_size=4, seq_len=4096, recompute="auto")
+    tensors = estimate("llama-7b", **kwargs)
+    replayed = estimate("llama-7b", fit_reserved="", **kwargs)
+    assert tensors.fits and estimate_reserved(tensors)[0].oom_step == 2
+    assert set(replayed.workload.recompute_save) < set(tensors.workload.recompute_save)
+    for s, r in zip(replayed.stages, estimate_reserved(replayed), strict=True):
+        assert r.oom_step is None
+        assert s.peak_bytes + r.reserved_peak_bytes - s.tensor_peak_bytes <= replayed.capacity_bytes
+    with pytest.raises(MemplanError, match="fit_reserved chooses recompute auto's save set"):
+        estimate("llama-7b", gpus=8, recompute="full", fit_reserved="")
+
+
+def test_cli_auto_with_reserved_chooses_against_the_replay(capsys) -> None:
+    """The command passes --reserved on to the choice: the set it reports is the one the
+    API chooses with ``fit_reserved``, not the tensor-peak one (the test above)."""
+    import json
+
+    args = ["estimate", "-m", "llama-7b", "-n", "8", "--zero", "2", "--mbs", "4", "--seq",
+            "4096", "--recompute", "auto", "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(args + ["--reserved"]) == 0
+    replayed = json.loads(capsys.readouterr().out)
+    save = estimate("llama-7b", gpus=8, zero=2, micro_batch_size=4, seq_len=4096,
+                    recompute="auto", fit_reserved="").workload.recompute_save
+    assert replayed["workload"]["recompute_save"] == list(save)
+    assert plain["workload"]["recompute_save"] != list(save)
+
+
+def test_plan_auto_json_names_each_candidates_set(capsys) -> None:
+    """plan --recompute auto --json: each candidate's recompute is "ops" with the list it
+    keeps (checked against the published schema, which before had no "ops")."""
+    import json
+
+    assert main(["plan", "-m", "tiny", "-n", "8", "--recompute", "auto", "--top", "2",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [c["recompute"] for c in out["candidates"]] == ["ops", "ops"]
+    assert all(c["recompute_save"] for c in out["candidates"])
