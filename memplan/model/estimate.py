@@ -456,6 +456,7 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
          "gradients freed after each optimizer step (zero_grad(set_to_none=True))"),
         "MoE routing balanced across experts (no capacity drop, no imbalance)",
         *adapters.assumptions(wl),
+        *_compile_float8_lines(wl),
         *fsdp1.assumptions(spec, par, wl),
         *((_deltanet_line(wl),) if spec.linear_attention is not None else ()),
         *((_mamba_line(spec, wl),) if spec.mamba is not None else ()),
@@ -480,6 +481,30 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
         f"allocator: {ovh.allocator_source}",
         "NCCL buffers are not included (outside PyTorch's allocator; measured by calibration)",
     )
+
+
+def _compile_float8_lines(wl: Workload) -> tuple[str, ...]:
+    """What the output says of ``Workload.compile``, ``float8`` and ``async_tp``, each modelled
+    where the layer model reads it."""
+    lines = []
+    if wl.compile:
+        lines.append(
+            "each decoder layer compiled (torch.compile, Inductor): its saved tensors from "
+            "AOTAutograd's min-cut partitioner, its backward's buffers from Inductor's kernels "
+            "(memplan.model.compiled)"
+            + ("; the activation checkpoint around the compiled layer" if
+               wl.compile_in_checkpoint else "")
+            + ("; the cross-entropy compiled" if wl.compile_loss else ""))
+    if wl.float8.value != "none":
+        lines.append(
+            f"float8 linears ({wl.float8.value} scaling; torchao convert_to_float8_training "
+            "as torchtitan applies it, the output head not converted): their casts and "
+            "scales (memplan.model.linear float8_forward_bytes)"
+            + ("; weights all-gathered by FSDP2 in float8" if wl.float8_all_gather else ""))
+    if wl.async_tp:
+        lines.append("async TP (Inductor's micro-pipelined all-gather and reduce-scatter "
+                     "matmuls): step time only, memory as plain tensor parallelism")
+    return tuple(lines)
 
 
 # A configuration asked again (a sweep run twice, a notebook cell re-run, the same candidate in

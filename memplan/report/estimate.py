@@ -108,6 +108,7 @@ def estimate_json(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
             "precision": wl.precision.value, "optimizer": wl.optimizer.value,
             "optimizer_impl": wl.optimizer_impl.value, "recompute": wl.recompute.name.lower(),
             "recompute_layers": wl.recompute_layers, "recompute_every": wl.recompute_every,
+            "compile": wl.compile, "float8": wl.float8.value,
             # recompute ops: what each layer keeps (``memplan.model.sac_ops``)
             **({"recompute_save": list(wl.recompute_save)}
                if wl.recompute.name.lower() == "ops" else {}),
