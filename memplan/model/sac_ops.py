@@ -105,7 +105,9 @@ from memplan.workload import Workload
 
 # the groups a save list may name, and the blocks whose items each stands for
 GROUPS = {"attention": ("attn",), "mlp": ("mlp",),
-          "norms": ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm")}
+          "norms": ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm"),
+          # Falcon-H1's Mamba2 mixer beside its attention (``memplan.model.sac_falcon``)
+          "mamba": ("mamba",)}
 # the ops an item's output comes from, as a policy finds them (``memplan.report.sac_policy``)
 MATMUL, ATTENTION_KERNEL, ACTIVATION, PRODUCT, NORM = "matmul", "sdpa", "act", "mul", "norm"
 # an upcast RMSNorm's ops a policy can name: its dtype casts (``aten._to_copy``) and ``rsqrt``
@@ -199,17 +201,22 @@ def mamba_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     4.0-H's dense layers on transformers 5.3's torch_forward), or None."""
     m = spec.mamba
     assert m is not None
-    checks = ((m.parallel_attention, "Mamba2 mixers beside attention in one layer (Falcon-H1)"),
+    checks = ((m.parallel_attention and m.gated_norm,
+               "Falcon-H1's gated FalconH1RMSNormGated (mamba_rms_norm: its ops' order follows "
+               "mamba_norm_before_gate, which the spec does not hold; modelled without it, "
+               "y * silu(gate): memplan.model.sac_falcon)"),
               (spec.moe is not None, "Mamba layers with MoE blocks"),
               (wl.mamba_kernel.value != "torch",
                f"Mamba layers on mamba_kernel {wl.mamba_kernel.value}"),
-              (not m.gated_norm or not spec.norm_placement.pre_norm,
-               "Mamba layers without the gated norm or with post norms"))
+              (not m.parallel_attention and not m.gated_norm,
+               "Mamba layers without the gated norm"),
+              (not spec.norm_placement.pre_norm, "Mamba layers with post norms"))
     why = next((why for cond, why in checks if cond), None)
     return None if why is None else (
         f"{why} (modelled: Granite 4.0-H's dense Mamba2 layers as transformers 5.3's "
-        "GraniteMoeHybridMambaLayer.torch_forward runs them, mamba_kernel torch: "
-        "memplan.model.sac_mamba)")
+        "GraniteMoeHybridMambaLayer.torch_forward runs them, and Falcon-H1's parallel layers "
+        "as FalconH1Mixer.torch_forward does, mamba_kernel torch: memplan.model.sac_mamba, "
+        "memplan.model.sac_falcon)")
 
 
 def _post_norms_modelled(spec: ModelSpec, wl: Workload) -> bool:
@@ -966,8 +973,10 @@ def input_held(kept: tuple[Item, ...], block: str, parallel: bool = False) -> in
     there."""
     held = 0
     for i in kept:
+        # (Falcon-H1's mixer, block "mamba", reads the norm's output first: sac_falcon)
         if (READER.get(i.block) == block or parallel and block == "mlp"
-                and i.block == "attn_norm") and i.name == f"{i.block}.output":
+                and i.block == "attn_norm" or block == "mamba" and i.block == "attn_norm"
+                ) and i.name == f"{i.block}.output":
             held += i.size_bytes
         elif parallel and block == "mlp" and i.name == "attn.o_proj":
             held += i.size_bytes
