@@ -72,7 +72,7 @@ def _mixer_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[Item]:
                  2.0 * z.taps * z.conv, CONV, z.conv, 0, BLOCK, True),
             Item("mamba.act", (), t * z.conv * e, float(z.conv), ACTIVATION, z.conv, 0, BLOCK,
                  False)] + _scan_ops(z.p, z.n, z.h, low, pure) + gated + [
-        Item("mamba.out_proj", (), t * h * e, 2.0 * z.d * h, MATMUL, h, 0, BLOCK, True)]
+        Item("mamba.out_proj", (), t * h * e, 2.0 * z.d * h, MATMUL, h, 0, BLOCK, False)]
 
 
 def _copy(name: str, term: str, block: str, terms: dict[str, int], h: int, dm: Dims) -> Item:
@@ -103,7 +103,7 @@ def _attention_ops(spec: ModelSpec, generic: list[Item]) -> list[Item]:
     o_proj, which frees its."""
     out = []
     for i in generic:
-        if i.name in ("attn.k", "attn.o_proj"):
+        if i.name == "attn.k":
             i = i._replace(own_extra=True)
         out.append(i)
         if i.name == "attn.k":
