@@ -733,10 +733,12 @@ def _latent_norms_nameable(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> 
 
 
 def valid_names(items: tuple[Item, ...]) -> list[str]:
-    """What a save list may name: items, the terms they cover, and the groups."""
+    """What a save list may name: items, the terms they cover, and the groups (``mamba``
+    where the items have a Mamba2 mixer's)."""
     names = [i.name for i in items]
     names += [t for i in items for t in i.terms if t not in names]
-    return names + list(GROUPS)
+    mamba = any(n.startswith("mamba.") for n in names)
+    return names + [g for g in GROUPS if g != "mamba" or mamba]
 
 
 # a save list's name may be scoped ``SCOPE:name`` (scopes may nest: ``stage1:dense:attn.q``):
@@ -854,8 +856,11 @@ def resolve(items: tuple[Item, ...], save: tuple[str, ...], spec: ModelSpec,
                                "and --emit-policy are)")
         if any(s != kind for s in scopes):
             continue
-        if name in GROUPS:
-            chosen |= {i.name for i in items if i.block in GROUPS[name]}
+        if name in GROUPS and (name != "mamba" or spec.mamba is not None):
+            # (the Mamba2 mixer's items: Falcon-H1's block "mamba", Granite 4.0-H's in its
+            # mixer's layers' attention block, named mamba.*)
+            chosen |= {i.name for i in items if i.block in GROUPS[name]
+                       or name == "mamba" and i.name.startswith("mamba.")}
             continue
         hits = {i.name for i in items if name == i.name or name in i.terms}
         if not hits:

@@ -151,3 +151,24 @@ def test_plan_searches_save_lists() -> None:
         plan(FALCON, gpus=8, recompute="auto", mamba_kernel="torch")
     except MemplanError:
         pass
+
+
+def test_mamba_group() -> None:
+    """``mamba`` names the mixer's six items (Falcon-H1's block ``mamba``); in Granite 4.0-H
+    its Mamba layers' five (``mamba.*``, in their attention block); in a model without a
+    Mamba2 mixer it is an unknown name, refused."""
+    from test_sac_mamba import GRANITE_H  # noqa: PLC0415 (tests/unit)
+
+    from memplan.model import sac_ops
+
+    items = tuple(_items().values())
+    assert [i.name for i in sac_ops.resolve(items, ("mamba",), FALCON)] == [
+        "mamba.in_proj", "mamba.mup", "mamba.conv_out", "mamba.act", "mamba.out",
+        "mamba.out_proj"]
+    wl = make_workload(GRANITE_H, **KW, recompute="ops")
+    granite = ops_items(GRANITE_H, wl, Dims.of(GRANITE_H, ParallelConfig(), wl), False,
+                        "linear")
+    assert [i.name for i in sac_ops.resolve(granite, ("mamba:mamba",), GRANITE_H, "mamba")] == [
+        "mamba.in_proj", "mamba.conv_out", "mamba.act", "mamba.out", "mamba.out_proj"]
+    with pytest.raises(MemplanError, match="unknown name 'mamba'"):
+        estimate("llama-3-8b", seq_len=1024, recompute="ops", recompute_save="mamba")
