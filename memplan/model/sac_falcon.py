@@ -111,6 +111,12 @@ def _attention_ops(spec: ModelSpec, generic: list[Item]) -> list[Item]:
     return out + [_unkept(SCALE, spec.hidden_size, "attn")]
 
 
+def _norm_product(i: Item) -> Item:
+    """The input norm's ``weight * normed`` (a named norm's ``output`` item elsewhere): a
+    local here, read by the two multipliers alone; counted, no item."""
+    return _unkept(i.op, i.width, i.block) if i.name == "attn_norm.output" else i
+
+
 def falcon_layer_ops(spec: ModelSpec, wl: Workload, dm: Dims, saved: tuple[Term, ...],
                      generic: tuple[Item, ...]) -> tuple[Item, ...]:
     """A Falcon-H1 layer's ops a policy counts, in execution order (the module docstring),
@@ -119,12 +125,10 @@ def falcon_layer_ops(spec: ModelSpec, wl: Workload, dm: Dims, saved: tuple[Term,
     del wl
     terms = {t.name: t.size_bytes for t in saved}
     h = spec.hidden_size
-    norm = [i for i in generic if i.block == "attn_norm"]
-    if not dm.autocast:  # the norm's own product is a local; its ssm_in copy the term
-        norm = [_unkept(i.op, i.width, i.block) if i.name == "attn_norm.output"
-                and i.op != NORM else i for i in norm if i.name != "attn_norm.output"
-                or i.op != NORM]
-    out = norm + [_copy("attn_norm.output", "attn_norm.output", "attn_norm", terms, h, dm)]
+    out = [i for i in generic if i.block == "attn_norm"]
+    if not dm.autocast:  # the ssm_in copy is the norm's output term (its item: ``_copy``)
+        out = [_norm_product(i) for i in out if i.name != "attn_norm.output" or i.op != NORM]
+    out += [_copy("attn_norm.output", "attn_norm.output", "attn_norm", terms, h, dm)]
     out += _mixer_ops(spec, dm, terms) + [_unkept(SCALE, h, BLOCK)]
     out += [_copy("attn.input_copy", "attn.input_copy", "attn", terms, h, dm)]
     out += _attention_ops(spec, [i for i in generic if i.block == "attn"])

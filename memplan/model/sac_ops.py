@@ -70,7 +70,8 @@ item, ``mlp.down``, as with post norms). A multi-head latent attention block's o
 its down and up projections, latent norms, the query's and key's concatenations, the kernel)
 are ``memplan.model.sac_mla``'s; a hybrid model's other layers' (``linear_kind``) those of
 ``memplan.model.sac_conv`` (LFM2) and ``memplan.model.sac_mamba`` (Granite 4.0-H's Mamba2
-layers). An eager attention core (transformers'
+layers); Falcon-H1's layers, a Mamba2 mixer beside each attention, ``memplan.model.
+sac_falcon``'s (the mixer's items, its muP multipliers' products). An eager attention core (transformers'
 ``eager_attention_forward``) is named op by op in place of SDPA's kernel (``_eager_core_ops``:
 its bmms, softmax, cast and dropout; Gemma 2's logit soft-capping, ``_softcap_ops``; a
 sliding window only its mask), its moments with what each kept output adds
