@@ -36,7 +36,7 @@ from memplan.model.attention import (
     held_weights_bytes,
     windowed,
 )
-from memplan.model import compiled, linear, sac_conv, sac_mamba, sac_moe, sac_ops
+from memplan.model import compiled, linear, sac_conv, sac_falcon, sac_mamba, sac_moe, sac_ops
 from memplan.model.deltanet import cache_states_bytes
 from memplan.model.block import BackwardMoment, Block
 from memplan.model.deltanet import DeltaNet, deltanet_linears
@@ -672,6 +672,8 @@ def _layer_ops(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str 
     saved = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE,
                               variant=terms_variant))
     ops = sac_ops.layer_ops(spec, wl, dm, saved, moe, variant == "nope")
+    if falcon_h1.parallel(spec):  # the Mamba2 mixer beside the attention (sac_falcon)
+        return saved, sac_falcon.falcon_layer_ops(spec, wl, dm, saved, ops)
     if variant != "linear" or sac_ops.linear_kind(spec) is None:
         return saved, ops
     lin = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE,
@@ -933,6 +935,8 @@ def _ops_forward(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
     owners = [b.name for b in layer_blocks(spec, moe, variant)
               for _ in b.working_set(spec, wl, dm)]
     assert len(owners) == len(moments)
+    if falcon_h1.parallel(spec):  # the mixer's moments run before the attention's
+        owners = _falcon_owners(spec, wl, dm, owners)
     pairs = tuple((o, m.alive_bytes + m.transient_bytes) for o, m in zip(owners, moments))
     # at the down projection: the MLP's first moment less its working set, with its output
     mlp = next(b for b in layer_blocks(spec, moe, variant) if b.name == "mlp")
@@ -961,6 +965,15 @@ def _ops_forward(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
                              for value, adds in grouped_kept_moments(spec, dm, wl.moe_impl)),
                        spec.parallel_block, core,
                        eager_held_item(spec, wl, dm) if core else ("", 0))
+
+
+def _falcon_owners(spec: ModelSpec, wl: Workload, dm: Dims, owners: list[str]) -> list[str]:
+    """Falcon-H1's block of both mixers (``falcon_h1.ParallelMamba``, "attn"): its first
+    moments, the Mamba2 mixer's working set, are the mixer's items' block (``sac_falcon.
+    BLOCK``), run before the attention's."""
+    n = len(Mamba().working_set(spec, wl, dm))
+    at = owners.index("attn")
+    return owners[:at] + [sac_falcon.BLOCK] * n + owners[at + n:]
 
 
 def _eager_core(spec: ModelSpec, wl: Workload, dm: Dims, pairs: tuple[tuple[str, int], ...]

@@ -70,7 +70,8 @@ item, ``mlp.down``, as with post norms). A multi-head latent attention block's o
 its down and up projections, latent norms, the query's and key's concatenations, the kernel)
 are ``memplan.model.sac_mla``'s; a hybrid model's other layers' (``linear_kind``) those of
 ``memplan.model.sac_conv`` (LFM2) and ``memplan.model.sac_mamba`` (Granite 4.0-H's Mamba2
-layers). An eager attention core (transformers'
+layers); Falcon-H1's layers, a Mamba2 mixer beside each attention, ``memplan.model.
+sac_falcon``'s (the mixer's items, its muP multipliers' products). An eager attention core (transformers'
 ``eager_attention_forward``) is named op by op in place of SDPA's kernel (``_eager_core_ops``:
 its bmms, softmax, cast and dropout; Gemma 2's logit soft-capping, ``_softcap_ops``; a
 sliding window only its mask), its moments with what each kept output adds
@@ -105,7 +106,9 @@ from memplan.workload import Workload
 
 # the groups a save list may name, and the blocks whose items each stands for
 GROUPS = {"attention": ("attn",), "mlp": ("mlp",),
-          "norms": ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm")}
+          "norms": ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm"),
+          # Falcon-H1's Mamba2 mixer beside its attention (``memplan.model.sac_falcon``)
+          "mamba": ("mamba",)}
 # the ops an item's output comes from, as a policy finds them (``memplan.report.sac_policy``)
 MATMUL, ATTENTION_KERNEL, ACTIVATION, PRODUCT, NORM = "matmul", "sdpa", "act", "mul", "norm"
 # an upcast RMSNorm's ops a policy can name: its dtype casts (``aten._to_copy``) and ``rsqrt``
@@ -199,17 +202,22 @@ def mamba_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     4.0-H's dense layers on transformers 5.3's torch_forward), or None."""
     m = spec.mamba
     assert m is not None
-    checks = ((m.parallel_attention, "Mamba2 mixers beside attention in one layer (Falcon-H1)"),
+    checks = ((m.parallel_attention and m.gated_norm,
+               "Falcon-H1's gated FalconH1RMSNormGated (mamba_rms_norm: its ops' order follows "
+               "mamba_norm_before_gate, which the spec does not hold; modelled without it, "
+               "y * silu(gate): memplan.model.sac_falcon)"),
               (spec.moe is not None, "Mamba layers with MoE blocks"),
               (wl.mamba_kernel.value != "torch",
                f"Mamba layers on mamba_kernel {wl.mamba_kernel.value}"),
-              (not m.gated_norm or not spec.norm_placement.pre_norm,
-               "Mamba layers without the gated norm or with post norms"))
+              (not m.parallel_attention and not m.gated_norm,
+               "Mamba layers without the gated norm"),
+              (not spec.norm_placement.pre_norm, "Mamba layers with post norms"))
     why = next((why for cond, why in checks if cond), None)
     return None if why is None else (
         f"{why} (modelled: Granite 4.0-H's dense Mamba2 layers as transformers 5.3's "
-        "GraniteMoeHybridMambaLayer.torch_forward runs them, mamba_kernel torch: "
-        "memplan.model.sac_mamba)")
+        "GraniteMoeHybridMambaLayer.torch_forward runs them, and Falcon-H1's parallel layers "
+        "as FalconH1Mixer.torch_forward does, mamba_kernel torch: memplan.model.sac_mamba, "
+        "memplan.model.sac_falcon)")
 
 
 def _post_norms_modelled(spec: ModelSpec, wl: Workload) -> bool:
@@ -726,10 +734,12 @@ def _latent_norms_nameable(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> 
 
 
 def valid_names(items: tuple[Item, ...]) -> list[str]:
-    """What a save list may name: items, the terms they cover, and the groups."""
+    """What a save list may name: items, the terms they cover, and the groups (``mamba``
+    where the items have a Mamba2 mixer's)."""
     names = [i.name for i in items]
     names += [t for i in items for t in i.terms if t not in names]
-    return names + list(GROUPS)
+    mamba = any(n.startswith("mamba.") for n in names)
+    return names + [g for g in GROUPS if g != "mamba" or mamba]
 
 
 # a save list's name may be scoped ``SCOPE:name`` (scopes may nest: ``stage1:dense:attn.q``):
@@ -847,8 +857,11 @@ def resolve(items: tuple[Item, ...], save: tuple[str, ...], spec: ModelSpec,
                                "and --emit-policy are)")
         if any(s != kind for s in scopes):
             continue
-        if name in GROUPS:
-            chosen |= {i.name for i in items if i.block in GROUPS[name]}
+        if name in GROUPS and (name != "mamba" or spec.mamba is not None):
+            # (the Mamba2 mixer's items: Falcon-H1's block "mamba", Granite 4.0-H's in its
+            # mixer's layers' attention block, named mamba.*)
+            chosen |= {i.name for i in items if i.block in GROUPS[name]
+                       or name == "mamba" and i.name.startswith("mamba.")}
             continue
         hits = {i.name for i in items if name == i.name or name in i.terms}
         if not hits:
@@ -966,8 +979,10 @@ def input_held(kept: tuple[Item, ...], block: str, parallel: bool = False) -> in
     there."""
     held = 0
     for i in kept:
+        # (Falcon-H1's mixer, block "mamba", reads the norm's output first: sac_falcon)
         if (READER.get(i.block) == block or parallel and block == "mlp"
-                and i.block == "attn_norm") and i.name == f"{i.block}.output":
+                and i.block == "attn_norm" or block == "mamba" and i.block == "attn_norm"
+                ) and i.name == f"{i.block}.output":
             held += i.size_bytes
         elif parallel and block == "mlp" and i.name == "attn.o_proj":
             held += i.size_bytes

@@ -253,7 +253,7 @@ def _mtp_flops(spec: ModelSpec, wl: Workload) -> float:
 def ops_rerun_flops(spec: ModelSpec, wl: Workload) -> float:
     """Forward FLOPs per token that one layer's rerun spends under ``Recompute.OPS``: the
     ops its save list does not keep (``memplan.model.sac_ops``; a Mamba2 layer's scan,
-    never kept: ``sac_mamba.scan_flops_per_token``), for the whole layer (one
+    Falcon-H1's too, never kept: ``sac_mamba.scan_flops_per_token``), for the whole layer (one
     rank's, tensor parallelism aside); where dense and MoE layers differ, their mean over
     the model's layers. A list without stage scopes."""
     from memplan.model import sac_mamba, sac_ops
@@ -266,7 +266,9 @@ def ops_rerun_flops(spec: ModelSpec, wl: Workload) -> float:
         for variant, count in ops_variants(spec, kind, n):  # (Llama 4's NoPE layers apart)
             items, kept = ops_kept(spec, wl, dm, moe, variant, kind, wl.recompute_save)
             total += count * sac_ops.rerun_flops_per_token(items, kept)
-            if kind == "mamba":  # the chunked scan, which no item keeps, reruns always
+            # the chunked scan, which no item keeps, reruns always (Granite 4.0-H's Mamba2
+            # layers; Falcon-H1's, each beside its attention: sac_falcon)
+            if kind == "mamba" or spec.mamba is not None and spec.mamba.parallel_attention:
                 total += count * sac_mamba.scan_flops_per_token(spec, wl.seq_len)
     return total / spec.num_layers
 

@@ -246,15 +246,18 @@ def _titan_kept(items: tuple[Item, ...], forced: set[tuple[int, int]],
 
 def _no_linear_mixers(target: str, spec: ModelSpec, what: str) -> None:
     """Refuses a model whose layers without attention have no policy in ``target``: LFM2's
-    short convolutions (``target`` has ``what``), and Mamba2 layers (Granite 4.0-H: ``memplan.model.sac_mamba`` models
-    transformers' torch_forward, no other framework's mixer)."""
+    short convolutions (``target`` has ``what``), and Mamba2 layers (Granite 4.0-H's and
+    Falcon-H1's: ``memplan.model.sac_mamba`` and ``sac_falcon`` model transformers'
+    torch_forward, no other framework's mixer)."""
     if spec.short_conv is not None:
         raise MemplanError(f"emit-policy {target}: {what}, so {spec.name}'s short-convolution "
                            "layers have no policy there; use --emit-policy torch")
     if spec.mamba is not None:
+        mixer = ("FalconH1Mixer.torch_forward, beside each layer's attention"
+                 if spec.mamba.parallel_attention else "GraniteMoeHybridMambaLayer.torch_forward")
         raise MemplanError(f"emit-policy {target}: {spec.name}'s Mamba2 layers are modelled "
-                           "as transformers runs them (GraniteMoeHybridMambaLayer."
-                           "torch_forward), not this framework's; use --emit-policy torch")
+                           f"as transformers runs them ({mixer}), not this framework's; use "
+                           "--emit-policy torch")
 
 
 # what torchtitan's op list cannot keep of an MLA block

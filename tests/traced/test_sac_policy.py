@@ -1203,3 +1203,53 @@ def test_emitted_policy_on_transformers_gpt_oss(precision: str, save: str) -> No
     row = result.row("activations_bytes")
     # full recompute's own gap in bf16: the model's cache_position (T int64 = 512 B)
     assert 0 <= row.estimated_bytes - row.measured_bytes <= (512 if precision != "fp32" else 0)
+
+
+# Falcon-H1's parallel layers (models/falcon_h1/modeling_falcon_h1.py FalconH1DecoderLayer.
+# forward: the Mamba2 mixer, FalconH1Mixer.torch_forward, transformers 5.3's naive chunked scan
+# without mamba_ssm and causal-conv1d, and attention on one norm's output, each scaled, summed,
+# then the MLP; mamba_rms_norm false, y * silu(gate)) as the 1.5B config narrowed: 2 layers,
+# h 128, 4 / 2 heads of 32, f 256, a 64-token vocabulary, the mixer's 4 heads of 64 (d 256),
+# state 32, chunks of 48 (FALCON_TOY, 2 x 256 tokens: the last chunk padded); and its 2 heads
+# of 64 (d = h = 128) in 2 groups of state 16, chunks of 32, f 384 (FALCON_TOY_2, 2 x 200
+# tokens). The muP multipliers are ops of their own (memplan.model.sac_falcon: the
+# ssm_in and attention_in copies, what in_proj and q/k/v save, the mup_vector product, the
+# gate's scaled copy, items; the key, output and down multipliers counted). Before, refused
+# ("Mamba2 mixers beside attention in one layer"). Measured (estimated - traced, steady step:
+# saved activations, forward, backward; optimizer -4,366 / -4,508 B, -3,470 / -3,612 B on the
+# second toy, full recompute's own). FALCON_TOY, bf16: input only, attention, mlp, mamba,
+# "attention,mlp,mamba,norms": saved exact, forward -290,912 B (-0.50% to -0.57%), backward
+# +446,434 B (+0.61% to +0.65%), to the byte full recompute's own (-0.57%, +0.65%); fp32
+# "attention,mlp,mamba,attn_norm.output": exact, -290,912, +446,434 (full's own); amp-bf16
+# input only and "attention,mlp,mamba": exact, +44,960 (+0.08%), +116,194 (+0.16%), full's own.
+# FALCON_TOY_2, bf16: input only, mamba, "attention,mlp,mamba,norms": exact, -168,944 B (-1.17%
+# to -0.89%: full recompute's own -1.17%), +117,888 (+0.47% to +0.60%, full's own); fp32
+# "attention,mlp": exact, -168,944 (-0.75%), +117,888 (+0.39%); amp-bf16 "mamba,mlp": exact,
+# -12,144 (-0.06%), -55,680 (-0.20%), full's own. FALCON_TOY bf16 with eager attention
+# (--attention eager) keeping "attention,mlp.act": exact, -290,912, +446,434 (full's own on it);
+# the bf16 list --recompute auto chooses midway (_midway_list with mamba_kernel torch: every
+# item but mamba.conv_out, attn_norm.output, attn.input_copy and mlp.gate_scaled): exact,
+# -290,912, +446,434. Not traced: tensor parallelism. (A list naming the norms' tensors in fp32
+# or under autocast keeps what no policy names: the trace keeps less, as for every model.)
+FALCON_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, mamba_n_heads=4,
+                  mamba_d_head=64, mamba_d_ssm=256, mamba_d_state=32, mamba_chunk_size=48,
+                  vocab_size=64, pad_token_id=None)
+FALCON_TOY_2 = dict(FALCON_TOY, mamba_n_heads=2, mamba_d_ssm=128, mamba_d_state=16,
+                    mamba_n_groups=2, mamba_chunk_size=32, intermediate_size=384)
+FALCON_GRID = [("bf16-pure", 256, "toy", "attention,mlp,mamba,norms"),
+               ("amp-bf16", 256, "toy", "attention,mlp,mamba"),
+               ("fp32", 200, "toy2", "attention,mlp")]
+
+
+@pytest.mark.parametrize(("precision", "seq", "toy", "save"), FALCON_GRID,
+                         ids=[f"{p}-{n}-{t}-{s}" for p, n, t, s in FALCON_GRID])
+def test_emitted_policy_on_falcon_h1(precision: str, seq: int, toy: str, save: str) -> None:
+    pytest.importorskip("transformers")
+    config = hf("heldout/Falcon-H1-1.5B-Instruct",
+                **(FALCON_TOY if toy == "toy" else FALCON_TOY_2))
+    result = compare_framework(_ops_case(config, "falcon-h1-ops-toy", precision, seq, save))
+    assert result.spec.mamba.parallel_attention and not result.spec.mamba.gated_norm
+    _assert_rows_within(result.rows)
+    row = result.row("activations_bytes")
+    assert row.estimated_bytes == row.measured_bytes, row

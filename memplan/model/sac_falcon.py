@@ -1,0 +1,137 @@
+"""Op-level checkpointing (``memplan.model.sac_ops``) of Falcon-H1's parallel layers: the ops
+a policy counts in transformers 5.3's FalconH1DecoderLayer.forward with the mixer's
+FalconH1Mixer.torch_forward (``mamba_kernel torch``; the block ``memplan.model.falcon_h1``
+models), in execution order with their families and output widths as the emitted policy's
+``_key`` sees them (traced on a FalconH1ForCausalLM toy: tests/traced/test_sac_policy.py)::
+
+    x = input_layernorm(residual)                 # the attention layers' norm ops
+    x * ssm_in_multiplier                         # scale, h: attn_norm.output (in_proj's input)
+    in_proj(...)                                  # mm, W: mamba.in_proj (freed at once)
+    projected_states * mup_vector                 # mul, W: mamba.in_proj_out
+    conv1d, silu, the chunked scan                # Granite 4.0-H's (memplan.model.sac_mamba)
+    y * silu(gate)                                # (mamba_rms_norm false) act d, mul d (fp32)
+    out_proj(scan_output.to(dtype))               # copy d (below fp32): mamba.out; mm h
+    m = ... * ssm_out_multiplier                  # scale, h
+    q_proj(x * attention_in_multiplier)           # scale, h: attn.input_copy; mm
+    k_proj(...) * key_multiplier                  # mm; scale, head_dim (before RoPE)
+    v_proj, RoPE, SDPA, o_proj                    # the attention layers' ops
+    a = ... * attention_out_multiplier            # scale, h
+    pre_ff_layernorm                              # the attention layers' norm ops
+    up_proj(x) * act(gate_proj(x) * gate_mult)    # mm f (up first), mm f, scale f, act, mul
+    down_proj(y) * down_multiplier                # mm h (never rerun), scale h
+
+Every multiplier is a product by a Python number (``aten.mul.Tensor`` of a tensor and a
+scalar: the policy's ``scale``), an op of its own whatever its value. Autograd saves none of
+their inputs, so a projection whose output a multiplier reads frees it: in_proj's, the gate's,
+k's and the output projections' are transients, kept they add to the working set
+(``own_extra``); the ``mup_vector`` product (what the conv, the gate and dt view), the
+ssm_in and attention_in copies (what in_proj and q/k/v save) and the gate's scaled copy (what
+silu saves) are the saved terms, each an item named after its term. Under autocast the two
+input copies are fp32 and saved by no one (each linear saves its own cast): no items there.
+The mixer's items are block "mamba" (its working-set moments run before the attention's:
+``memplan.model.layer._ops_forward``), the group ``mamba`` names them. Not modelled:
+FalconH1RMSNormGated (``mamba_rms_norm``: its op order follows ``mamba_norm_before_gate``,
+which the spec does not hold): ``sac_ops.mamba_refusal``.
+"""
+
+from __future__ import annotations
+
+from memplan.model.dims import Dims, Term
+from memplan.model.mamba import sizes
+from memplan.model.sac_mamba import _scan_ops
+from memplan.model.sac_ops import (ACTIVATION, CONV, COPY, MATMUL, NORM, PRODUCT, SCALE, Item,
+                                   _unkept, numbered)
+from memplan.spec import ModelSpec
+from memplan.units import FP32_BYTES
+from memplan.workload import Workload
+
+BLOCK = "mamba"
+
+
+def _mixer_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[Item]:
+    """torch_forward's ops after the ssm_in copy (module docstring), on one rank: in_proj's
+    output T x W x e (2 h W FLOPs a token), its ``mup_vector`` product (the ``in_proj_out``
+    term; W), the conv's and silu's (``sac_mamba.mamba_items``), the scan's, ``y *
+    silu(gate)`` (d, d), out_proj's input T x d x e (below fp32 the cast, else the product;
+    under autocast autocast's cast, no item) and output T x h x e (2 d h)."""
+    assert spec.mamba is not None
+    z = sizes(spec.mamba, dm)
+    h, t, e = spec.hidden_size, dm.tokens, dm.e
+    low = e < FP32_BYTES
+    pure = low and not dm.autocast
+    out = Item("mamba.out", ("mamba.out",), terms["mamba.out"], float(z.d),
+               COPY if low else PRODUCT, z.d, 0, BLOCK, False)
+    gated = [_unkept(ACTIVATION, z.d, BLOCK)] + (
+        [_unkept(PRODUCT, z.d, BLOCK), out if pure else _unkept(COPY, z.d, BLOCK)] if low
+        else [out])
+    return [Item("mamba.in_proj", (), t * z.width * e, 2.0 * h * z.width, MATMUL, z.width, 0,
+                 BLOCK, True),
+            Item("mamba.mup", ("mamba.in_proj_out",), terms["mamba.in_proj_out"],
+                 float(z.width), PRODUCT, z.width, 0, BLOCK, False),
+            Item("mamba.conv_out", ("mamba.conv_out",), terms["mamba.conv_out"],
+                 2.0 * z.taps * z.conv, CONV, z.conv, 0, BLOCK, True),
+            Item("mamba.act", (), t * z.conv * e, float(z.conv), ACTIVATION, z.conv, 0, BLOCK,
+                 False)] + _scan_ops(z.p, z.n, z.h, low, pure) + gated + [
+        Item("mamba.out_proj", (), t * h * e, 2.0 * z.d * h, MATMUL, h, 0, BLOCK, False)]
+
+
+def _copy(name: str, term: str, block: str, terms: dict[str, int], h: int, dm: Dims) -> Item:
+    """A multiplier's copy of the norm's output that a linear saves (its term), an item; under
+    autocast an fp32 local no one saves (the linears save their casts): counted, no item."""
+    if dm.autocast:
+        return _unkept(SCALE, h, block)
+    return Item(name, (term,), terms[term], float(h), SCALE, h, 0, block, False)
+
+
+def _mlp_ops(spec: ModelSpec, terms: dict[str, int], generic: list[Item]) -> list[Item]:
+    """FalconH1MLP.forward's ops: ``up_proj(x)`` first, then ``gate_proj(x)`` (a transient:
+    its scaled copy is what silu saves, ``mlp.gate``), the scale, silu, the product, the down
+    projection (never rerun) and its scale."""
+    mm = {i.name: i for i in generic}
+    f, h = mm["mlp.gate"].width, spec.hidden_size
+    gate = mm["mlp.gate"]._replace(name="mlp.gate_proj", terms=(), own_extra=True)
+    scaled = Item("mlp.gate_scaled", ("mlp.gate",), terms["mlp.gate"], float(f), SCALE, f, 0,
+                  "mlp", False)
+    down = [i for i in generic if i.block == "mlp" and not i.name]
+    return ([mm["mlp.up"], gate, scaled, mm["mlp.act"], mm["mlp.prod"]] + down
+            + [_unkept(SCALE, h, "mlp")])
+
+
+def _attention_ops(spec: ModelSpec, generic: list[Item]) -> list[Item]:
+    """The attention's ops with k_proj's ``* key_multiplier`` before RoPE (FalconH1Attention.
+    forward), which frees k's projection output, and ``* attention_out_multiplier`` after
+    o_proj, which frees its."""
+    out = []
+    for i in generic:
+        if i.name == "attn.k":
+            i = i._replace(own_extra=True)
+        out.append(i)
+        if i.name == "attn.k":
+            out.append(_unkept(SCALE, spec.head_dim, "attn"))
+    return out + [_unkept(SCALE, spec.hidden_size, "attn")]
+
+
+def _norm_product(i: Item) -> Item:
+    """The input norm's ``weight * normed`` (a named norm's ``output`` item elsewhere): a
+    local here, read by the two multipliers alone; counted, no item."""
+    return _unkept(i.op, i.width, i.block) if i.name == "attn_norm.output" else i
+
+
+def falcon_layer_ops(spec: ModelSpec, wl: Workload, dm: Dims, saved: tuple[Term, ...],
+                     generic: tuple[Item, ...]) -> tuple[Item, ...]:
+    """A Falcon-H1 layer's ops a policy counts, in execution order (the module docstring),
+    composed from ``generic`` (``sac_ops.layer_ops``' for the same spec: its norms', its
+    attention's and its MLP's). ``saved``: what the layer saves without recompute."""
+    del wl
+    terms = {t.name: t.size_bytes for t in saved}
+    h = spec.hidden_size
+    out = [i for i in generic if i.block == "attn_norm"]
+    if not dm.autocast:  # the ssm_in copy is the norm's output term (its item: ``_copy``)
+        out = [_norm_product(i) for i in out if i.name != "attn_norm.output" or i.op != NORM]
+    out += [_copy("attn_norm.output", "attn_norm.output", "attn_norm", terms, h, dm)]
+    out += _mixer_ops(spec, dm, terms) + [_unkept(SCALE, h, BLOCK)]
+    out += [_copy("attn.input_copy", "attn.input_copy", "attn", terms, h, dm)]
+    out += _attention_ops(spec, [i for i in generic if i.block == "attn"])
+    out += [i for i in generic if i.block == "mlp_norm"]
+    out += _mlp_ops(spec, terms, [i for i in generic if i.block == "mlp"])
+    return numbered(out)

@@ -1,0 +1,174 @@
+"""Op-level checkpointing of Falcon-H1's parallel layers (``memplan.model.sac_falcon``): the
+items' bytes, FLOPs and policy keys derived by hand, the emitted policy's counts, what is
+still refused and the plan's search.
+
+falcon-h1-0.5b (the catalog entry, FalconH1Config with mamba_rms_norm false): 36 layers of
+h = 1,024; attention 8 / 2 heads of 64 (q 512, k and v 128 wide); the mixer's H = 24 heads of
+P = 64 (d = 1,536), state n = 128, G = 1 group, K = 4 taps; the MLP's f = 2,048. At seq 1,024
+and micro-batch 2 in bf16 (mamba_kernel torch: FalconH1Mixer.torch_forward) a layer's tokens
+are T = 2,048:
+
+- the norm's ``ssm_in_multiplier`` copy, what in_proj saves (``attn_norm.output``): T x h x 2
+  = 4,194,304 B, the layer's first ``scale`` 1,024 wide; h = 1,024 FLOPs a token;
+- in_proj's output: W = 2 d + 2 G n + H = 3,072 + 256 + 24 = 3,352 wide, T x W x 2 =
+  13,729,792 B, an ``mm`` 3,352 wide, freed by the ``mup_vector`` product (kept, it adds to
+  the working set); 2 x h x W = 6,864,896 FLOPs;
+- the ``mup_vector`` product (the conv, gate and dt view it: ``mamba.in_proj_out``): the same
+  13,729,792 B, a tensor ``mul`` 3,352 wide; W = 3,352 FLOPs;
+- the conv's output over C = d + 2 G n = 1,792 channels, padded by K - 1 = 3: b x C x (s + 3)
+  x 2 = 2 x 1,792 x 1,027 x 2 = 7,361,536 B; 2 x K x C = 14,336 FLOPs; silu's: T x C x 2 =
+  7,340,032 B, an ``act`` 1,792 wide;
+- out_proj's input ``scan_output.to(dtype)`` (``y * silu(gate)`` in fp32, cast): T x d x 2 =
+  6,291,456 B, the only ``copy`` 1,536 wide; out_proj's output T x h x 2 = 4,194,304 B, the
+  first ``mm`` 1,024 wide (o_proj the second, the MLP's down projection the third);
+  2 x d x h = 3,145,728 FLOPs;
+- the ``attention_in_multiplier`` copy q, k and v save (``attn.input_copy``): 4,194,304 B, the
+  third ``scale`` 1,024 wide (after ssm_in's and ssm_out's; attention_out's and
+  down_multiplier's follow: five a layer);
+- FalconH1MLP runs ``up_proj`` first (the first ``mm`` 2,048 wide), then ``gate_proj`` (the
+  second, a transient) and ``* gate_multiplier`` (``mlp.gate``, what silu saves: T x f x 2 =
+  8,388,608 B, a ``scale`` 2,048 wide; f = 2,048 FLOPs).
+
+In fp32 out_proj's input is the product ``y * silu(gate)`` itself (T x d x 4 = 12,582,912 B,
+a ``mul`` 1,536 wide); under autocast the two copies are fp32 locals no one saves (each linear
+saves its own cast) and out_proj's input autocast's cast: none of the three is an item.
+"""
+
+from __future__ import annotations
+
+import pytest
+from memplan.api import estimate, make_workload, plan
+from memplan.errors import LayoutError, MemplanError
+from memplan.model.dims import Dims
+from memplan.model.layer import ops_items
+from memplan.parallel import ParallelConfig
+from memplan.planning.timing import ops_rerun_flops
+from memplan.report.sac_policy import emit_for
+from memplan.spec import load_model
+
+FALCON = load_model("falcon-h1-0.5b")
+KW = dict(seq_len=1024, micro_batch_size=2, precision="bf16-pure", framework="hf",
+          mamba_kernel="torch")
+
+
+def _items(precision: str = "bf16-pure") -> dict:
+    wl = make_workload(FALCON, **{**KW, "precision": precision}, recompute="ops")
+    dm = Dims.of(FALCON, ParallelConfig(), wl)
+    return {i.name: i for i in ops_items(FALCON, wl, dm)}
+
+
+def test_falcon_items_by_hand() -> None:
+    items = _items()
+    got = {n: (i.size_bytes, i.flops_per_token, i.op, i.width, i.nth, i.block, i.own_extra)
+           for n, i in items.items()
+           if n.startswith("mamba.") or n in ("attn_norm.output", "attn.input_copy",
+                                              "attn.o_proj", "mlp.up", "mlp.gate_proj",
+                                              "mlp.gate_scaled")}
+    assert got == {
+        "attn_norm.output": (4_194_304, 1024.0, "scale", 1024, 0, "attn_norm", False),
+        "mamba.in_proj": (13_729_792, 6_864_896.0, "matmul", 3352, 0, "mamba", True),
+        "mamba.mup": (13_729_792, 3352.0, "mul", 3352, 0, "mamba", False),
+        "mamba.conv_out": (7_361_536, 14_336.0, "conv", 1792, 0, "mamba", True),
+        "mamba.act": (7_340_032, 1792.0, "act", 1792, 0, "mamba", False),
+        "mamba.out": (6_291_456, 1536.0, "copy", 1536, 0, "mamba", False),
+        "mamba.out_proj": (4_194_304, 3_145_728.0, "matmul", 1024, 0, "mamba", False),
+        "attn.input_copy": (4_194_304, 1024.0, "scale", 1024, 2, "attn", False),
+        "attn.o_proj": (4_194_304, 1_048_576.0, "matmul", 1024, 1, "attn", False),
+        "mlp.up": (8_388_608, 4_194_304.0, "matmul", 2048, 0, "mlp", False),
+        "mlp.gate_proj": (8_388_608, 4_194_304.0, "matmul", 2048, 1, "mlp", True),
+        "mlp.gate_scaled": (8_388_608, 2048.0, "scale", 2048, 0, "mlp", False)}
+    assert items["mamba.mup"].terms == ("mamba.in_proj_out",)
+    assert items["mlp.gate_scaled"].terms == ("mlp.gate",) and not items["mlp.gate_proj"].terms
+
+
+def test_fp32_and_autocast_items() -> None:
+    """fp32: out_proj's input the product (12,582,912 B, a ``mul`` 1,536 wide); the copies
+    twice the bytes (8,388,608). Under autocast: no copy items, no ``mamba.out``; the
+    ``mup_vector`` product fp32 (T W 4 = 27,459,584 B), in_proj's output bf16 (13,729,792)."""
+    fp32 = _items("fp32")
+    assert (fp32["mamba.out"].size_bytes, fp32["mamba.out"].op) == (12_582_912, "mul")
+    assert fp32["attn_norm.output"].size_bytes == fp32["attn.input_copy"].size_bytes == 8_388_608
+    amp = _items("amp-bf16")
+    assert "mamba.out" not in amp and "attn.input_copy" not in amp
+    assert amp["attn_norm.output"].op == "norm"  # autocast's cast: no op a policy names
+    assert (amp["mamba.mup"].size_bytes, amp["mamba.in_proj"].size_bytes) == (
+        27_459_584, 13_729_792)
+
+
+def test_emitted_policy_counts() -> None:
+    """The mixer's items (``mamba``) and the gate's copy kept: their keys; per layer five
+    ``scale`` ops 1,024 wide, three ``mm`` 1,024 wide, four ``copy`` 1,024 wide (two per norm).
+    torchtitan and Megatron-LM have no Falcon-H1 mixer: refused by name."""
+    est = estimate(FALCON, **KW, recompute="ops", recompute_save="mamba,mlp.gate")
+    space: dict = {}
+    exec(compile(emit_for("torch", est), "<policy>", "exec"), space)  # noqa: S102
+    assert space["SAVE"] == {("matmul", 3352, 0), ("mul", 3352, 0), ("conv", 1792, 0),
+                             ("act", 1792, 0), ("copy", 1536, 0), ("matmul", 1024, 0),
+                             ("scale", 2048, 0)}
+    counts = space["PER_LAYER"]
+    assert (counts[("scale", 1024)], counts[("matmul", 1024)], counts[("copy", 1024)]) == (
+        5, 3, 4)
+    assert ("scale", 64) not in counts  # the key multiplier: no item of its family and width
+    for target in ("torchtitan", "megatron"):
+        with pytest.raises(MemplanError, match="FalconH1Mixer"):
+            emit_for(target, est)
+
+
+def test_saved_bytes_add_the_kept_items() -> None:
+    """Keeping the mixer's six items adds their bytes (13,729,792 x 2 + 7,361,536 +
+    7,340,032 + 6,291,456 + 4,194,304 = 52,646,912 B a layer) to what the layers save
+    keeping nothing but their input, times 36 layers."""
+    def activations(save: str) -> int:
+        return estimate(FALCON, **KW, recompute="ops", recompute_save=save).stages[0] \
+            .activations_bytes
+
+    assert activations("mamba") - activations("") == 36 * 52_646_912
+
+
+def test_the_scan_reruns_whatever_is_kept() -> None:
+    """Every item kept, the rerun spends the scan alone (``ops_rerun_flops``; the scan's FLOPs
+    ``memplan.model.mamba.Mamba.core_flops_per_token``): positive, and the same whatever the
+    list keeps beyond."""
+    wl = make_workload(FALCON, **KW, recompute="ops",
+                       recompute_save="attention,mlp,mamba,norms")
+    assert ops_rerun_flops(FALCON, wl) > 0
+    with_norms = ops_rerun_flops(FALCON, wl)
+    wl = make_workload(FALCON, **KW, recompute="ops", recompute_save="attention,mlp,mamba")
+    assert ops_rerun_flops(FALCON, wl) > with_norms
+
+
+def test_gated_norm_refused() -> None:
+    """Falcon-H1's FalconH1RMSNormGated (mamba_rms_norm, every published size but 0.5B):
+    its ops' order follows mamba_norm_before_gate, not held by the spec: refused by name."""
+    with pytest.raises(LayoutError, match="mamba_rms_norm"):
+        estimate(load_model("falcon-h1-1.5b-deep"), **KW, recompute="ops")
+
+
+def test_plan_searches_save_lists() -> None:
+    """``plan --recompute auto`` on falcon-h1-0.5b over 8 GPUs raises nothing but
+    MemplanError."""
+    try:
+        plan(FALCON, gpus=8, recompute="auto", mamba_kernel="torch")
+    except MemplanError:
+        pass
+
+
+def test_mamba_group() -> None:
+    """``mamba`` names the mixer's six items (Falcon-H1's block ``mamba``); in Granite 4.0-H
+    its Mamba layers' five (``mamba.*``, in their attention block); in a model without a
+    Mamba2 mixer it is an unknown name, refused."""
+    from test_sac_mamba import GRANITE_H  # noqa: PLC0415 (tests/unit)
+
+    from memplan.model import sac_ops
+
+    items = tuple(_items().values())
+    assert [i.name for i in sac_ops.resolve(items, ("mamba",), FALCON)] == [
+        "mamba.in_proj", "mamba.mup", "mamba.conv_out", "mamba.act", "mamba.out",
+        "mamba.out_proj"]
+    wl = make_workload(GRANITE_H, **KW, recompute="ops")
+    granite = ops_items(GRANITE_H, wl, Dims.of(GRANITE_H, ParallelConfig(), wl), False,
+                        "linear")
+    assert [i.name for i in sac_ops.resolve(granite, ("mamba:mamba",), GRANITE_H, "mamba")] == [
+        "mamba.in_proj", "mamba.conv_out", "mamba.act", "mamba.out", "mamba.out_proj"]
+    with pytest.raises(MemplanError, match="unknown name 'mamba'"):
+        estimate("llama-3-8b", seq_len=1024, recompute="ops", recompute_save="mamba")
