@@ -689,8 +689,8 @@ def ops_kinds(spec: ModelSpec) -> tuple[tuple[str, bool, int], ...]:
     linear = sac_ops.linear_kind(spec)
     if linear is not None:
         kinds = [sac_ops.layer_kind_of(spec, i) for i in range(spec.num_layers)]
-        return tuple((kind, False, kinds.count(kind)) for kind in ("attn", linear)
-                     if kind in kinds)
+        return tuple((kind, sac_ops.searched_moe(spec), kinds.count(kind))
+                     for kind in ("attn", linear) if kind in kinds)
     if spec.moe is None or sac_ops.searched_moe(spec):
         return (("moe" if spec.moe is not None else "dense", spec.moe is not None,
                  spec.num_layers),)

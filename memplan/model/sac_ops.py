@@ -200,7 +200,6 @@ def mamba_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     m = spec.mamba
     assert m is not None
     checks = ((m.parallel_attention, "Mamba2 mixers beside attention in one layer (Falcon-H1)"),
-              (spec.moe is not None, "Mamba layers with MoE blocks"),
               (wl.mamba_kernel.value != "torch",
                f"Mamba layers on mamba_kernel {wl.mamba_kernel.value}"),
               (not m.gated_norm or not spec.norm_placement.pre_norm,
