@@ -1174,13 +1174,17 @@ def test_emitted_policy_on_mamba_layers(precision: str, seq: int, save: str) -> 
 # step -4,096 B. bf16: attention (4,886,024 B), the grid's first list (4,083,720 B), mlp
 # (10,522,632 B), the Mamba items alone (4,353,544 B), "attention,mlp,norms" (17,505,800 B),
 # "norms,mamba:moe.router,mamba:moe.dispatched,mamba:moe.expert.prod,mamba:moe.shared.act,
-# attn:attention,attn:moe.shared.prod" (6,856,712 B); fp32: attention (9,358,344 B), mlp
-# (20,627,464 B), the grid's second list (3,829,768 B). At 2 x 512 tokens with 8 experts of
+# attn:attention,attn:moe.shared.prod" (6,856,712 B), the list auto chooses midway (_midway_list
+# with mamba_kernel torch: 37 items, 12,898,312 B); fp32: attention (9,358,344 B), mlp
+# (20,627,464 B), "attention,mlp" (28,269,576 B), the grid's second list (3,829,768 B). At 2 x 512 tokens with 8 experts of
 # 64 (the scan's head width) and the shared MLP's 320 (the conv's channels; full recompute
 # -532,448 B and +819,488 B, -0.59% and +0.67%), the same gaps: bf16 "attention,mlp,norms"
 # (30,309,896 B), "mamba:mamba.in_proj,mamba:moe.expert.act,mamba:moe.shared.prod,attn:
 # attn.out,attn:moe.expert.down" (7,135,240 B), fp32 mlp (31,866,888 B); with 64 experts
-# (E = P: the router's fp32 cast beside x's, copies 64 wide) as the grid's third. Not in the
+# (E = P: the router's fp32 cast beside x's, copies 64 wide) the grid's third (30,653,960 B)
+# and "mamba:moe.router,mamba:moe.topk_weights,mamba:mamba.out,attn:moe.dispatched,attn:
+# moe.shared.gate_up" (5,283,848 B). Before the shared MLP's fused gate/up was one item, bf16
+# mlp was +1,572,864 B over the trace (each layer's input_linear output, no mm fs wide). Not in the
 # grid: fp32 lists naming the norms, which keep nothing in the trace (the dense toy's too:
 # "norms" +4,730,880 B estimated, num_local_experts 0 as much; a gap of the fp32 norms'
 # naming on this model, not of the MoE block). amp-bf16 around MoE layers is refused.
