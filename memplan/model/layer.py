@@ -687,12 +687,13 @@ def ops_kinds(spec: ModelSpec) -> tuple[tuple[str, bool, int], ...]:
     """The layer kinds of ``spec`` a save list scopes (``sac_ops.KINDS``), as (kind, MoE
     layer, how many layers): one where its layers are all alike. A model with
     short-convolution or Mamba2 layers (LFM2, Granite 4.0-H: ``sac_ops.linear_kind``): its
-    attention layers, then its other layers."""
+    attention layers, then its other layers, both MoE layers where every layer is (Granite
+    4.0-H Tiny and Small; ``sac_ops.mamba_refusal`` refuses MoE blocks on some layers only)."""
     linear = sac_ops.linear_kind(spec)
     if linear is not None:
         kinds = [sac_ops.layer_kind_of(spec, i) for i in range(spec.num_layers)]
-        return tuple((kind, False, kinds.count(kind)) for kind in ("attn", linear)
-                     if kind in kinds)
+        return tuple((kind, sac_ops.searched_moe(spec), kinds.count(kind))
+                     for kind in ("attn", linear) if kind in kinds)
     if spec.moe is None or sac_ops.searched_moe(spec):
         return (("moe" if spec.moe is not None else "dense", spec.moe is not None,
                  spec.num_layers),)

@@ -168,7 +168,8 @@ def grouped_kept_moments(spec: ModelSpec, dm: Dims,
     moe = _moe(spec)
     # a shared MLP that ran first freed its tensors when its down projection returned; its
     # output is alive at both moments anyway (``_grouped_moments``)
-    shared = ({"moe.shared.gate", "moe.shared.act", "moe.shared.up", "moe.shared.prod"}
+    shared = ({"moe.shared.gate", "moe.shared.act", "moe.shared.up", "moe.shared.prod",
+               "moe.shared.gate_up"}
               if moe.num_shared_experts and not moe.shared_experts_last else set())
     # an fp32 router's input and weight copies, freed once its logits exist (_routing_bytes)
     router = {"moe.router", "moe.router_input_fp32", "moe.router_weight_fp32"}

@@ -36,7 +36,10 @@ never kept: the backward needs their saved tensors, so the rerun rebuilds them w
 kept. Under autocast the casts autocast makes (in_proj's and out_proj's inputs and weights,
 the conv's weight and bias) are not counted: no item there is a cast (``mamba.out`` is none
 there), and the norms are not named (``sac_ops._norms_nameable``). The layer's norms and MLP
-are the attention layers' (``sac_ops.layer_ops``).
+are the attention layers' (``sac_ops.layer_ops``); an MoE block's items (Granite 4.0-H Tiny and
+Small: GraniteMoeHybridMoE, then the shared MLP) follow the layer's ops as in an attention
+layer (``memplan.model.layer.ops_items``: ``sac_moe.moe_items``, counted after them; traced:
+tests/traced/test_sac_policy.py).
 """
 
 from __future__ import annotations
@@ -107,7 +110,8 @@ def mamba_layer_ops(spec: ModelSpec, wl: Workload, dm: Dims, saved: tuple[Term, 
     """A Mamba2 layer's ops a policy counts, in execution order (``sac_ops.layer_ops``' for
     an attention layer): the input norm's, the mixer's (``mamba_items``), the MLP norm's,
     then the MLP's, the attention layers' own (``attention_ops``: GraniteMoeHybridDecoderLayer
-    runs the same shared MLP after either mixer). ``saved``: what the layer saves without
+    runs the same shared MLP after either mixer; in an MoE layer none: the block's items
+    follow, ``memplan.model.layer.ops_items``). ``saved``: what the layer saves without
     recompute."""
     terms = {t.name: t.size_bytes for t in saved}
     h = spec.hidden_size

@@ -231,14 +231,20 @@ def _shared_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int]
     assert moe is not None
     h = spec.hidden_size
     f = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size // dm.tp
-    ops = [("moe.shared.gate", MATMUL, f, ("moe.shared.gate",), term("moe.shared.gate"),
-            2.0 * h * f, True),
-           ("moe.shared.act", ACTIVATION, f, ("moe.shared.act",), term("moe.shared.act"),
-            float(f), True),
-           ("moe.shared.up", MATMUL, f, ("moe.shared.up",), term("moe.shared.up"),
-            2.0 * h * f, True),
-           ("moe.shared.prod", PRODUCT, f, ("moe.shared.prod",), term("moe.shared.prod"),
-            float(f), True)]
+    act = ("moe.shared.act", ACTIVATION, f, ("moe.shared.act",), term("moe.shared.act"),
+           float(f), True)
+    prod = ("moe.shared.prod", PRODUCT, f, ("moe.shared.prod",), term("moe.shared.prod"),
+            float(f), True)
+    if spec.fused_gate_up:
+        # GraniteMoeHybridMLP.forward: input_linear (h -> 2 f), chunk (views), activation
+        # of the first half times the second, output_linear
+        ops = [("moe.shared.gate_up", MATMUL, 2 * f, ("moe.shared.gate", "moe.shared.up"),
+                term("moe.shared.gate", "moe.shared.up"), 4.0 * h * f, True), act, prod]
+    else:
+        ops = [("moe.shared.gate", MATMUL, f, ("moe.shared.gate",), term("moe.shared.gate"),
+                2.0 * h * f, True), act,
+               ("moe.shared.up", MATMUL, f, ("moe.shared.up",), term("moe.shared.up"),
+                2.0 * h * f, True), prod]
     if moe.shared_expert_gate:
         return ops + [("moe.shared.down", MATMUL, h, ("moe.shared_out",),
                        term("moe.shared_out"), 2.0 * h * f, False)]

@@ -199,14 +199,17 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
 
 def mamba_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why a model's Mamba2 layers' ops are not modelled (``memplan.model.sac_mamba``: Granite
-    4.0-H's dense layers on transformers 5.3's torch_forward), or None."""
+    4.0-H's layers on transformers 5.3's torch_forward, dense or with MoE blocks, which
+    ``moe_refusal`` checks as in any MoE layer), or None."""
     m = spec.mamba
     assert m is not None
     checks = ((m.parallel_attention and m.gated_norm,
                "Falcon-H1's gated FalconH1RMSNormGated (mamba_rms_norm: its ops' order follows "
                "mamba_norm_before_gate, which the spec does not hold; modelled without it, "
                "y * silu(gate): memplan.model.sac_falcon)"),
-              (spec.moe is not None, "Mamba layers with MoE blocks"),
+              # (a kind's layers are MoE layers or not all alike: ``layer.ops_kinds``)
+              (spec.moe is not None and not searched_moe(spec),
+               "Mamba layers with MoE blocks on some layers only"),
               (wl.mamba_kernel.value != "torch",
                f"Mamba layers on mamba_kernel {wl.mamba_kernel.value}"),
               (not m.parallel_attention and not m.gated_norm,
@@ -214,10 +217,10 @@ def mamba_refusal(spec: ModelSpec, wl: Workload) -> str | None:
               (not spec.norm_placement.pre_norm, "Mamba layers with post norms"))
     why = next((why for cond, why in checks if cond), None)
     return None if why is None else (
-        f"{why} (modelled: Granite 4.0-H's dense Mamba2 layers as transformers 5.3's "
-        "GraniteMoeHybridMambaLayer.torch_forward runs them, and Falcon-H1's parallel layers "
-        "as FalconH1Mixer.torch_forward does, mamba_kernel torch: memplan.model.sac_mamba, "
-        "memplan.model.sac_falcon)")
+        f"{why} (modelled: Granite 4.0-H's Mamba2 layers, dense or with MoE blocks, as "
+        "transformers 5.3's GraniteMoeHybridMambaLayer.torch_forward runs them, and Falcon-H1's "
+        "parallel layers as FalconH1Mixer.torch_forward does, mamba_kernel torch: "
+        "memplan.model.sac_mamba, memplan.model.sac_falcon)")
 
 
 def _post_norms_modelled(spec: ModelSpec, wl: Workload) -> bool:
@@ -1016,9 +1019,11 @@ def assumption(spec: ModelSpec, wl: Workload, kinds: dict[str, tuple[Item, ...]]
     else:
         what = "each layer keeps its input and, " + "; ".join(
             f"on stage {n}, {keeps(save)}" for n, save in stages.items())
+    # (a hybrid model's kinds, "mamba" and "attn", are MoE layers where their items are)
+    names = {i.name.split(".")[0] for items in kinds.values() for i in items}
     stop = ("the experts' down projection reruns: the routing weights' product saves its "
-            "output" if "moe" in kinds else "")
-    dense = ("" if not {"dense", "conv", "mamba", "attn"} & set(kinds)
+            "output" if "moe" in names else "")
+    dense = ("" if "mlp" not in names
              else "a dense MLP's down projection reruns: its post norm saves its output"
              if spec.norm_placement.post_norm
              else "a dense MLP's down projection reruns: its dropout's mask is rebuilt"

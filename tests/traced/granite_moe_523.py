@@ -12,7 +12,10 @@ place of 5.3's in the installed module: the router as 5.23 writes it, the expert
 installed ``grouped_mm_experts_forward`` (5.3's gathers by token: memplan's ``moe_impl``
 grouped-token, which ``memplan.profile.frameworks._grouped_gather`` picks). The weights have
 5.3's shapes: the router (E, h), the experts' gate/up (E, 2f, h) and down (E, h, f), as
-MixtralExperts holds them; their names here are this module's own.
+MixtralExperts holds them; their names here are this module's own. ``install_hybrid`` puts the
+same block in place of Granite 4.0-H's GraniteMoeHybridMoE, whose code is GraniteMoeMoE's
+(models/granitemoehybrid/modular_granitemoehybrid.py: ``GraniteMoeHybridMoE(
+GraniteMoeSharedMoE)``; transformers 5.3's generated modeling file the same forward).
 """
 
 from __future__ import annotations
@@ -95,3 +98,20 @@ def install(monkeypatch) -> None:
     from transformers.models.granitemoe import modeling_granitemoe as m
 
     monkeypatch.setattr(m, "GraniteMoeMoE", GraniteMoeMoE)
+
+
+def runs_hybrid_parallel_experts() -> bool:
+    """Whether the installed transformers runs GraniteMoeHybrid's MoE through 5.3's
+    GraniteMoeHybridParallelExperts (where ``install_hybrid`` is needed)."""
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as m
+
+    return hasattr(m, "GraniteMoeHybridParallelExperts")
+
+
+def install_hybrid(monkeypatch) -> None:
+    """5.23's block in place of the installed 5.3 GraniteMoeHybridMoE (Granite 4.0-H's: 5.3's
+    GraniteMoeHybridDecoderLayer.forward calls ``self.block_sparse_moe(hidden_states)`` for
+    one tensor, then adds ``self.shared_mlp(hidden_states)``), for one test."""
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as m
+
+    monkeypatch.setattr(m, "GraniteMoeHybridMoE", GraniteMoeMoE)

@@ -1158,6 +1158,63 @@ def test_emitted_policy_on_mamba_layers(precision: str, seq: int, save: str) -> 
     _assert_rows_within(compare_framework(case).rows)
 
 
+# Granite 4.0-H's Mamba2 and attention layers with their MoE blocks (granite-4.0-h-tiny's config
+# narrowed as GRANITE_H_TOY, its experts kept: 4 experts of 192, 2 routed a token, the shared MLP's
+# 256 after them; GraniteMoeHybridDecoderLayer.forward, ``self.block_sparse_moe(hidden_states) +
+# self.shared_mlp(hidden_states)``), the MoE block as transformers 5.23 writes it over the installed
+# grouped experts (tests/traced/granite_moe_523.py install_hybrid; moe_impl grouped-token on 5.3, as
+# Granite 3.1's above): memplan.model.sac_mamba's mixer items, then sac_moe's block items in both
+# kinds (the router's projection, its top-k fp32 softmax, the sorted rows, the experts' gate/up,
+# SiLU, product and down projection, the shared MLP's fused gate/up as one item, moe.shared.gate_up,
+# its SiLU and product). Before, refused ("Mamba layers with MoE blocks"). Measured on transformers
+# 5.3 (estimated - traced, 2 x 256 tokens unless said): saved activations exact in every case; every
+# list's forward -290,784 B (-0.34% to -0.58%) and backward +446,562 B (+0.44% to +0.65%), to the
+# byte full recompute's own on the toy in bf16 and fp32 (bf16 full: -0.570%, +0.641%); the optimizer
+# step -4,096 B. bf16: attention (4,886,024 B), the grid's first list (4,083,720 B), mlp (10,522,632
+# B), the Mamba items alone (4,353,544 B), "attention,mlp,norms" (17,505,800 B),
+# "norms,mamba:moe.router,mamba:moe.dispatched,mamba:moe.expert.prod,mamba:moe.shared.act,
+# attn:attention,attn:moe.shared.prod" (6,856,712 B), the list auto chooses midway (_midway_list
+# with mamba_kernel torch: 37 items, 12,898,312 B); fp32: attention (9,358,344 B), mlp (20,627,464
+# B), "attention,mlp" (28,269,576 B), the grid's second list (3,829,768 B). At 2 x 512 tokens with 8
+# experts of 64 (the scan's head width) and the shared MLP's 320 (the conv's channels; full
+# recompute -532,448 B and +819,488 B, -0.59% and +0.67%), the same gaps: bf16 "attention,mlp,norms"
+# (30,309,896 B), "mamba:mamba.in_proj,mamba:moe.expert.act,mamba:moe.shared.prod,attn:
+# attn.out,attn:moe.expert.down" (7,135,240 B), fp32 mlp (31,866,888 B); with 64 experts (E = P: the
+# router's fp32 cast beside x's, copies 64 wide) the grid's third (30,653,960 B) and
+# "mamba:moe.router,mamba:moe.topk_weights,mamba:mamba.out,attn:moe.dispatched,attn:
+# moe.shared.gate_up" (5,283,848 B). Before the shared MLP's fused gate/up was one item, bf16 mlp
+# was +1,572,864 B over the trace (each layer's input_linear output, no mm fs wide). Not in the
+# grid: fp32 lists naming the norms, which keep nothing in the trace (the dense toy's too: "norms"
+# +4,730,880 B estimated, num_local_experts 0 as much; a gap of the fp32 norms' naming on this
+# model, not of the MoE block). amp-bf16 around MoE layers is refused.
+GRANITE_H_MOE_TOY = {**GRANITE_H_TOY, "num_local_experts": 4, "num_experts_per_tok": 2,
+                     "intermediate_size": 192}
+GRANITE_H_MOE_GRID = [
+    ("bf16-pure", 256, {}, "mamba:moe.topk_weights,mamba:moe.expert.gate_up,"
+                           "mamba:moe.shared.gate_up,attn:moe.expert.act"),
+    ("fp32", 256, {}, "mamba:moe.topk_weights,mamba:mamba.out,attn:moe.router,"
+                      "attn:moe.shared.gate_up"),
+    ("bf16-pure", 512, {"num_local_experts": 64, "intermediate_size": 64,
+                        "shared_intermediate_size": 320}, "attention,mlp,norms")]
+
+
+@pytest.mark.parametrize(("precision", "seq", "narrow", "save"), GRANITE_H_MOE_GRID,
+                         ids=[f"{p}-{n}-{len(w)}-{s}" for p, n, w, s in GRANITE_H_MOE_GRID])
+def test_emitted_policy_on_mamba_layers_with_moe_blocks(precision: str, seq: int, narrow: dict,
+                                                        save: str, monkeypatch) -> None:
+    pytest.importorskip("transformers")
+    import granite_moe_523  # noqa: PLC0415 (tests/traced)
+
+    if granite_moe_523.runs_hybrid_parallel_experts():
+        granite_moe_523.install_hybrid(monkeypatch)
+    config = hf("heldout/granite-4.0-h-tiny", **{**GRANITE_H_MOE_TOY, **narrow})
+    result = compare_framework(_ops_case(config, "granite-h-moe-ops-toy", precision, seq, save))
+    assert result.spec.moe.router_topk_softmax and result.spec.mamba is not None
+    _assert_rows_within(result.rows)
+    row = result.row("activations_bytes")
+    assert row.estimated_bytes == row.measured_bytes, row
+
+
 # GPT-OSS (gpt-oss-120b's config narrowed as test_hf_moe_families.py's gpt_oss toy: 2 layers,
 # the first sliding over 32 tokens, the second full; h = f = 128, 4 / 2 heads of 32, 4 experts,
 # 2 routed a token) with eager attention (GptOssForCausalLM has no SDPA) at 2 x 64 tokens, the
