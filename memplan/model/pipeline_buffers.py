@@ -1,0 +1,98 @@
+"""What torch.distributed.pipelining's ``PipelineStage`` keeps beside a stage's activations.
+
+``Workload.pipeline_buffers`` torch (torchtitan's pipeline parallelism). All from torch 2.13,
+torch/distributed/pipelining/stage.py and schedules.py; ``b`` below is one micro-batch's
+residual stream on this rank (``Dims.stream``: mbs x seq / (tp under SP) / cp x h x the
+stream's itemsize): a stage's input and output, and their gradients, are that tensor.
+
+- receive buffers: a stage with a previous stage (not stage 0) makes one buffer per
+  micro-batch of the step for its input (``PipelineStage._setup_forward_recv_info``:
+  ``_make_tensor_from_meta`` for each of ``num_microbatches``), a stage with a next stage one
+  per micro-batch for its output's gradient (``_setup_backward_recv_info`` /
+  ``_create_grad_recv_info``), both in ``_PipelineSchedule._initialize_pp_stages`` at step 1's
+  start, before its first forward, kept in ``args_recv_info`` / ``grad_recv_info`` for every
+  later step (``clear_runtime_states`` keeps them). A ``_DTensorMeta``'s shape is the local
+  shard's (pipelining/_utils.py), and torchtitan's blocks pass plain local tensors anyway.
+  Each virtual stage is a ``PipelineStage`` of its own: with v chunks a rank holds v sets.
+- the received input is the forward's input itself (``_retrieve_recv_activations``:
+  ``info.buffer.requires_grad_``), so the first layer's saved input of a micro-batch in flight
+  is its buffer: the walk counts it already (``f`` of the ``m`` buffers at the peak).
+- ``fwd_cache`` keeps each micro-batch's output tuple from its forward until its backward
+  (``forward_one_chunk``, ``backward_one_chunk`` pops it and holds it through
+  ``stage_backward``): on a stage with a next stage, ``f`` outputs of ``b`` at a backward,
+  ``f - 1`` beside a forward (Megatron-LM's schedules free them once sent; the walk counts
+  none). The last stage's outputs (logits) are not counted here; with ``return_outputs=False``
+  (torchtitan) ``output_chunks`` stays empty (``save_forward_output``, schedules.py).
+- the received gradient is the backward's incoming gradient (``_retrieve_recv_grads``), which
+  the walk counts through each backward (``memplan.model.layer``'s ``incoming``): ``m - 1``
+  buffers beyond it then, ``m`` elsewhere.
+- ``stage_backward`` (pipelining/_backward.py) runs ``torch.autograd.backward``, which leaves
+  each input's gradient on its buffer (``.grad``, a leaf) until ``clear_runtime_states`` at
+  the next ``step()``'s start: after the step's ``k``-th backward ``k`` of them (``b`` each),
+  all ``m`` through the optimizer step. At a 1F1B peak (``f`` in flight, the steady phase or
+  its end) ``m - f`` backwards are done (Schedule1F1B._step_microbatches: backward ``j`` runs
+  with ``f`` in flight for ``j`` up to ``m - f``; the cool-down's later ones have fewer
+  activations in flight, each more than ``b``).
+
+Step 1 and the steady state hold the same (the buffers exist before step 1's first forward).
+Not counted: step 1's metadata inference (torchtitan passes no ``input_args``, so
+``InferenceMode.DYNAMIC``: ``_forward_metadata_inference`` and
+``_backward_metadata_inference`` run one micro-batch's forward and input-gradient backward
+before the schedule, nothing else in flight: below the schedule's peak where ``f`` >= 1 of
+the walk's micro-batches are alive with the same buffers), the losses' scalars.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from memplan.parallel import ParallelConfig
+from memplan.workload import PipelineBuffers, Workload
+
+
+class StageBuffers(NamedTuple):
+    """One pipeline rank's runtime buffers, int bytes: ``tensors`` the persistent receive
+    buffers (each one tensor of ``b``, for the allocator's sequence), ``in_step`` beyond the
+    walk at a forward or backward peak, ``at_step`` beside the optimizer step."""
+
+    tensors: tuple[int, ...] = ()
+    in_step: int = 0
+    at_step: int = 0
+
+    @property
+    def persistent_bytes(self) -> int:
+        return sum(self.tensors)
+
+
+NO_BUFFERS = StageBuffers()
+
+
+def stage_buffers(wl: Workload, par: ParallelConfig, m: int, stage: int,
+                  flight: tuple[int, ...], stream_bytes: int) -> StageBuffers:
+    """Pipeline rank ``stage``'s buffers with ``m`` micro-batches per step, ``flight[c]`` of
+    them in flight on its chunk ``c`` at its peak (``chunks_in_flight``), ``stream_bytes`` one
+    micro-batch's stage input (= output, = their gradients) on this rank. Per chunk ``c`` (the
+    virtual stage ``s = c * pp + stage`` of ``S = pp * vpp``), from the module docstring:
+
+    - with a previous stage (s > 0): ``m`` input buffers, ``f`` of them the walk's saved
+      inputs, and ``m - f`` input gradients left on their buffers: ``2 (m - f) b`` in the
+      step, ``2 m b`` at the optimizer step;
+    - with a next stage (s < S - 1): ``m`` gradient buffers and the kept outputs:
+      ``(m + f - 1) b`` in the step (``m`` and ``f - 1`` at a forward, ``m - 1`` and ``f``
+      at a backward), ``m b`` at the optimizer step.
+    """
+    if wl.pipeline_buffers is PipelineBuffers.NONE or par.pp * par.vpp == 1:
+        return NO_BUFFERS
+    last = par.pp * par.vpp - 1
+    count = in_step = at_step = 0
+    for c, f in enumerate(flight):
+        s = c * par.pp + stage
+        if s > 0:
+            count += m
+            in_step += 2 * max(m - f, 0) * stream_bytes
+            at_step += 2 * m * stream_bytes
+        if s < last:
+            count += m
+            in_step += max(m + f - 1, 0) * stream_bytes
+            at_step += m * stream_bytes
+    return StageBuffers((stream_bytes,) * count, in_step, at_step)
