@@ -26,20 +26,24 @@ stream's itemsize): a stage's input and output, and their gradients, are that te
 - the received gradient is the backward's incoming gradient (``_retrieve_recv_grads``), which
   the walk counts through each backward (``memplan.model.layer``'s ``incoming``): ``m - 1``
   buffers beyond it then, ``m`` elsewhere.
-- ``stage_backward`` (pipelining/_backward.py) runs ``torch.autograd.backward``, which leaves
-  each input's gradient on its buffer (``.grad``, a leaf) until ``clear_runtime_states`` at
-  the next ``step()``'s start: after the step's ``k``-th backward ``k`` of them (``b`` each),
-  all ``m`` through the optimizer step. At a 1F1B peak (``f`` in flight, the steady phase or
-  its end) ``m - f`` backwards are done (Schedule1F1B._step_microbatches: backward ``j`` runs
-  with ``f`` in flight for ``j`` up to ``m - f``; the cool-down's later ones have fewer
-  activations in flight, each more than ``b``).
+- ``stage_backward`` (pipelining/_backward.py) takes each input's gradient off its buffer
+  (``val.grad = None`` after ``torch.autograd.backward``) into ``bwd_cache``, which
+  ``get_bwd_send_ops`` empties into the send's ``P2POp``. ``Schedule1F1B._step_microbatches``
+  keeps that list (``bwd_sends``) until the next backward has run: from the step's second
+  backward on, one input gradient ``b`` is alive beside each forward and backward of the
+  1F1B phase (with ``m > f``; where all ``m`` are in flight the peak is the first backward,
+  before any). After ``step()`` returns none is left (traced:
+  tests/traced/test_pipeline_stage_trace.py).
 
 Step 1 and the steady state hold the same (the buffers exist before step 1's first forward).
 Not counted: step 1's metadata inference (torchtitan passes no ``input_args``, so
 ``InferenceMode.DYNAMIC``: ``_forward_metadata_inference`` and
 ``_backward_metadata_inference`` run one micro-batch's forward and input-gradient backward
 before the schedule, nothing else in flight: below the schedule's peak where ``f`` >= 1 of
-the walk's micro-batches are alive with the same buffers), the losses' scalars.
+the walk's micro-batches are alive with the same buffers), the losses' scalars, and the
+output of the warm-up's last fired send, which Schedule1F1B's ``send_work`` keeps (with its
+``Work``) until the cool-down: a gloo ``Work`` keeps the tensor it sent (one ``b`` more on
+the traced first rank), NCCL's was not traced.
 """
 
 from __future__ import annotations
@@ -75,8 +79,9 @@ def stage_buffers(wl: Workload, par: ParallelConfig, m: int, stage: int,
     virtual stage ``s = c * pp + stage`` of ``S = pp * vpp``), from the module docstring:
 
     - with a previous stage (s > 0): ``m`` input buffers, ``f`` of them the walk's saved
-      inputs, and ``m - f`` input gradients left on their buffers: ``2 (m - f) b`` in the
-      step, ``2 m b`` at the optimizer step;
+      inputs, and the previous backward's input gradient where ``m > f``:
+      ``(m - f + 1) b`` in the step (``0 b`` more where ``m <= f``), ``m b`` at the
+      optimizer step;
     - with a next stage (s < S - 1): ``m`` gradient buffers and the kept outputs:
       ``(m + f - 1) b`` in the step (``m`` and ``f - 1`` at a forward, ``m - 1`` and ``f``
       at a backward), ``m b`` at the optimizer step.
@@ -89,8 +94,8 @@ def stage_buffers(wl: Workload, par: ParallelConfig, m: int, stage: int,
         s = c * par.pp + stage
         if s > 0:
             count += m
-            in_step += 2 * max(m - f, 0) * stream_bytes
-            at_step += 2 * m * stream_bytes
+            in_step += (m - f + 1 if m > f else 0) * stream_bytes
+            at_step += m * stream_bytes
         if s < last:
             count += m
             in_step += max(m + f - 1, 0) * stream_bytes

@@ -26,8 +26,8 @@ def test_two_stages_one_f_one_b() -> None:
     and f = 2 kept outputs (at a forward 4 buffers and f - 1 = 1 output): 5b; at the
     optimizer step the 4 buffers, every output freed: 4b.
     Stage 1 (a previous stage, no next): 4 input buffers (4b), f = 1 of them the walk's saved
-    input, and m - f = 3 input gradients on finished micro-batches' buffers: 3b + 3b = 6b;
-    at the optimizer step 4 buffers and 4 gradients: 8b.
+    input, and the previous backward's input gradient (m > f) kept by ``bwd_sends``:
+    3b + b = 4b; at the optimizer step the 4 buffers: 4b.
     """
     par = ParallelConfig(pp=2)
     first = stage_buffers(TORCH, par, 4, 0, (2,), B)
@@ -35,26 +35,34 @@ def test_two_stages_one_f_one_b() -> None:
     assert (first.in_step, first.at_step) == (5 * B, 4 * B) == (163_840, 131_072)
     last = stage_buffers(TORCH, par, 4, 1, (1,), B)
     assert last.tensors == (B,) * 4
-    assert (last.in_step, last.at_step) == (6 * B, 8 * B) == (196_608, 262_144)
+    assert (last.in_step, last.at_step) == (4 * B, 4 * B) == (131_072, 131_072)
 
 
 def test_middle_stage_holds_both() -> None:
     """pp 3, m 6, the middle stage with f = 2: 6 input and 6 gradient buffers (12b); in the
-    step 2(m - f) = 8b of the input side and m + f - 1 = 7b of the output side: 15b; at the
-    optimizer step 2m + m = 18b."""
+    step m - f + 1 = 5b of the input side and m + f - 1 = 7b of the output side: 12b; at the
+    optimizer step m + m = 12b."""
     got = stage_buffers(TORCH, ParallelConfig(pp=3), 6, 1, (2,), B)
     assert got.tensors == (B,) * 12
-    assert (got.in_step, got.at_step) == (15 * B, 18 * B)
+    assert (got.in_step, got.at_step) == (12 * B, 12 * B)
+
+
+def test_all_in_flight_holds_no_input_gradient() -> None:
+    """m = f = 2 (pp 3, the middle stage): every forward before the first backward, whose
+    peak has no earlier input gradient: the input side 0b in the step (2b at the optimizer
+    step), the output side m + f - 1 = 3b (2b)."""
+    got = stage_buffers(TORCH, ParallelConfig(pp=3), 2, 1, (2,), B)
+    assert (got.in_step, got.at_step) == (3 * B, 4 * B)
 
 
 def test_virtual_stages_each_their_own() -> None:
     """pp 2, vpp 2, m 4: rank 0 holds virtual stages 0 and 2 (of 4), flight (3, 2) given.
     Stage 0: gradient side only, (4 + 3 - 1)b = 6b, 4b at the step. Stage 2: input side
-    2(4 - 2)b = 4b (8b at the step) and gradient side (4 + 2 - 1)b = 5b (4b at the step).
-    Buffers: 4 + 4 + 4 = 12; in the step 15b; at the optimizer step 16b."""
+    (4 - 2 + 1)b = 3b (4b at the step) and gradient side (4 + 2 - 1)b = 5b (4b at the step).
+    Buffers: 4 + 4 + 4 = 12; in the step 14b; at the optimizer step 12b."""
     got = stage_buffers(TORCH, ParallelConfig(pp=2, vpp=2), 4, 0, (3, 2), B)
     assert got.tensors == (B,) * 12
-    assert (got.in_step, got.at_step) == (15 * B, 16 * B)
+    assert (got.in_step, got.at_step) == (14 * B, 12 * B)
 
 
 def test_none_and_no_pipeline() -> None:
@@ -79,9 +87,9 @@ def test_estimate_moves_by_the_buffers() -> None:
     """The tiny spec (h 64, 2 layers: one per stage), torchtitan's preset, pp 2, mbs 2 x seq
     128 in bf16 (b = 32,768 B), gbs 8: m = 4. Each phase of both steps moves by the hand
     figures of ``test_two_stages_one_f_one_b``: stage 0 by 5b in forward and backward and 4b
-    at the optimizer step, stage 1 by 6b and 8b; the record shows 4b of receive buffers."""
+    at the optimizer step, stage 1 by 4b and 4b; the record shows 4b of receive buffers."""
     with_buffers, without = _stages("torch"), _stages("none")
-    moved = {0: (163_840, 163_840, 131_072), 1: (196_608, 196_608, 262_144)}
+    moved = {0: (163_840, 163_840, 131_072), 1: (131_072, 131_072, 131_072)}
     for a, z in zip(with_buffers, without):
         assert a.pipeline_buffers_bytes == 131_072 and z.pipeline_buffers_bytes == 0
         for phases in ("steady", "first_step"):
