@@ -12,7 +12,9 @@ stream's itemsize): a stage's input and output, and their gradients, are that te
   ``_create_grad_recv_info``), both in ``_PipelineSchedule._initialize_pp_stages`` at step 1's
   start, before its first forward, kept in ``args_recv_info`` / ``grad_recv_info`` for every
   later step (``clear_runtime_states`` keeps them). A ``_DTensorMeta``'s shape is the local
-  shard's (pipelining/_utils.py), and torchtitan's blocks pass plain local tensors anyway.
+  shard's (pipelining/_utils.py): under TP with SP a buffer is the sequence shard, and a
+  DTensor input is ``DTensor.from_local`` of its buffer (``_retrieve_recv_activations``,
+  no copy), its sends ``to_local_if_dtensor`` views.
   Each virtual stage is a ``PipelineStage`` of its own: with v chunks a rank holds v sets.
 - the received input is the forward's input itself (``_retrieve_recv_activations``:
   ``info.buffer.requires_grad_``), so the first layer's saved input of a micro-batch in flight

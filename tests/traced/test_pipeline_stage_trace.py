@@ -23,6 +23,9 @@ step, steps 1 and 2 alike (``b`` = 2 x 16 x 32 x 4 = 4,096 B, one micro-batch's 
   fired send (``send_work = _batch_p2p(fwd_sends)`` in Schedule1F1B._step_microbatches, not
   rebound until the cool-down) keeps its gloo ``Work``, which keeps the tensor it sent. Not
   modelled: whether NCCL's work object keeps it after ``wait()`` was not traced here (no GPU).
+
+And ``ScheduleInterleaved1F1B`` with two virtual stages a rank: after each step each rank holds
+one set of buffers per virtual stage (``at_step``, 12b).
 """
 
 from __future__ import annotations
@@ -55,6 +58,44 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+def _stack() -> Any:
+    return torch.nn.Sequential(torch.nn.Linear(H, H, bias=False), torch.nn.ReLU(),
+                               torch.nn.Linear(H, H, bias=False))
+
+
+def _mse(y: Any, t: Any) -> Any:
+    return torch.nn.functional.mse_loss(y, t)
+
+
+def _interleaved(rank: int) -> dict[str, int]:
+    """ScheduleInterleaved1F1B, two virtual stages a rank (rank r: stages r and r + 2 of 4,
+    torchtitan's loop placement): each rank's bytes after each step beyond its weights,
+    gradients, batch and losses."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    from memplan.profile.tracker import MemoryTracker
+
+    out: dict[str, int] = {}
+    tracker = MemoryTracker()
+    with tracker:
+        mods = [_stack(), _stack()]
+        stages = [PipelineStage(mod, rank + 2 * c, 4, torch.device("cpu"))
+                  for c, mod in enumerate(mods)]
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=M, loss_fn=_mse)
+        x, target = torch.randn(M * MBS, SEQ, H), torch.randn(M * MBS, SEQ, H)
+        params = [p for mod in mods for p in mod.parameters()]
+        before = tracker.total_bytes
+        for step in (1, 2):
+            losses: list | None = [] if rank == 1 else None
+            schedule.step(x if rank == 0 else None, target=target if rank == 1 else None,
+                          losses=losses, return_outputs=False)
+            out[f"step{step}"] = (tracker.total_bytes - before
+                                  - _storage_bytes(p.grad for p in params)
+                                  - _storage_bytes(losses or []))
+            del losses
+    return out
+
+
 def _rank(rank: int, folder: str) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -65,14 +106,13 @@ def _rank(rank: int, folder: str) -> None:
                             world_size=2)
     out: dict[str, Any] = {}
     try:
+        out["interleaved"] = _interleaved(rank)
         torch.manual_seed(0)
         tracker = MemoryTracker()
         with tracker:
-            stage_mod = torch.nn.Sequential(torch.nn.Linear(H, H, bias=False), torch.nn.ReLU(),
-                                            torch.nn.Linear(H, H, bias=False))
+            stage_mod = _stack()
             stage = PipelineStage(stage_mod, rank, 2, torch.device("cpu"))
-            schedule = Schedule1F1B(stage, n_microbatches=M,
-                                    loss_fn=lambda y, t: torch.nn.functional.mse_loss(y, t))
+            schedule = Schedule1F1B(stage, n_microbatches=M, loss_fn=_mse)
             x = torch.randn(M * MBS, SEQ, H)
             target = torch.randn(M * MBS, SEQ, H)
             params = list(stage_mod.parameters())
@@ -140,3 +180,18 @@ def test_buffers_at_a_one_f_one_b_backward(ranks: list[dict[str, int]]) -> None:
         assert expected == [32_768, 28_672][rank]
         traced = expected + gloo_send[rank]
         assert (got["backward1_step1"], got["backward1_step2"]) == (traced, traced), rank
+
+
+def test_virtual_stages_each_hold_their_own(ranks: list[dict[str, Any]]) -> None:
+    """Interleaved 1F1B, pp 2 x vpp 2, m 4: after each step rank 0 (stages 0 and 2) holds
+    stage 0's 4 gradient buffers and stage 2's 4 input and 4 gradient buffers, rank 1
+    (stages 1 and 3) stage 1's 4 + 4 and stage 3's 4 input buffers: 12b = 49,152 B each
+    (``stage_buffers(...).at_step``, one set per virtual stage)."""
+    par = ParallelConfig(pp=2, vpp=2)
+    wl = Workload(pipeline_buffers=PipelineBuffers.TORCH)
+    for rank, got in enumerate(ranks):
+        expected = stage_buffers(wl, par, M, rank, tuple(chunks_in_flight(par, M, rank)),
+                                 B).at_step
+        assert expected == 12 * B == 49_152
+        assert (got["interleaved"]["step1"], got["interleaved"]["step2"]) == (expected,
+                                                                                expected), rank
