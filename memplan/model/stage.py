@@ -649,4 +649,5 @@ def backward_floor(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, s
     # the steady state's gradients before a backward, as ``_gradients`` has them
     prior = st.grads_bytes if wl.keep_grads and not in_forward else in_forward
     base = st.params_bytes + fx.buckets + fx.buffers
-    return base + st.optimizer_bytes + backward_head_peak(walk, prior)
+    # (the pipeline runtime's buffers beside the walk: in the backward's peak too)
+    return base + st.optimizer_bytes + backward_head_peak(walk, prior) + prepared.pipe.in_step
