@@ -45,7 +45,12 @@ before the schedule, nothing else in flight: below the schedule's peak where ``f
 the walk's micro-batches are alive with the same buffers), the losses' scalars, and the
 output of the warm-up's last fired send, which Schedule1F1B's ``send_work`` keeps (with its
 ``Work``) until the cool-down: a gloo ``Work`` keeps the tensor it sent (one ``b`` more on
-the traced first rank), NCCL's was not traced.
+the traced first rank), where NCCL's releases it once waited (pytorch's ProcessGroupNCCL.cpp
+``WorkNCCL::synchronizeStream`` unstashes its tensors; read in the source, not traced). Nor the
+sends of ``_PipelineScheduleRuntime`` (Interleaved1F1B): ``send_ops`` keeps every send's
+``Work`` of the step un-waited until its end, so what a backend keeps of an un-waited send
+(gloo: the tensor) stays for the whole step; with virtual stages the in-step figures follow
+Schedule1F1B's reasoning per chunk.
 """
 
 from __future__ import annotations
