@@ -338,7 +338,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         in_forward, bwd = grads[2:] if steady else grads1[:2]
         # the drain's gathered buffers stay from the first step's drain on
         resident = dfr.resident if steady else 0
-        # after the last backward: every input's gradient made (``pipe.at_step``)
+        # after the last backward: the pipeline's receive buffers beside it (``pipe.at_step``)
         after = max(_after_backward(fx, dfr, base + opt_bytes + from_loss, held), last_step)
         init = base + opt_bytes + fx.shard.forward_start(steady, st.grads_bytes)
         return PhasePeaks(  # forward, backward, optimizer
