@@ -79,7 +79,7 @@ SETTINGS: dict[Mechanism, frozenset[str]] = {
                                         "use_orig_params", "zero3_prefetch_numel",
                                         "zero3_max_live_numel", "zero3_reuse_distance_numel",
                                         "zero3_persistence_numel"}),
-    Mechanism.LAYOUT: frozenset({"tp_style", "pipeline_split"}),
+    Mechanism.LAYOUT: frozenset({"tp_style", "pipeline_split", "pipeline_buffers"}),
     Mechanism.STEP_TIME: frozenset({"step_model", "pipeline_p2p"}),
 }
 
@@ -303,6 +303,11 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
             Default("tp_style", "dtensor",
                     f"models/llama3/infra/parallelize.py apply_tp: DTensor ColwiseParallel / "
                     f"RowwiseParallel / SequenceParallel plans ({_TITAN})"),
+            Default("pipeline_buffers", "torch",
+                    f"distributed/pipeline_parallel.py _pipeline_module_split: each stage a "
+                    f"torch.distributed.pipelining PipelineStage, run by trainer.py "
+                    f"Trainer.pp_forward_backward_step's pp_schedule.step(..., return_outputs="
+                    f"False) ({_TITAN}; torch 2.13 stage.py, schedules.py)"),
         )),
     ),
     Framework.LIGHTNING: (

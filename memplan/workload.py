@@ -562,6 +562,23 @@ class PipelineSplit(PlainEnum):
     WEIGHTED = "weighted"
 
 
+class PipelineBuffers(PlainEnum):
+    """What a pipeline stage's runtime keeps of its micro-batches beyond the model's own
+    activations (``memplan.model.pipeline_buffers``).
+
+    none   nothing: each received activation and gradient is a fresh tensor, a stage's output
+           freed once sent (Megatron-LM's schedules, deallocate_pipeline_outputs)
+    torch  torch.distributed.pipelining's PipelineStage (torch 2.13, stage.py): a receive
+           buffer per micro-batch of the step for the stage's input and one for its output's
+           gradient, made at step 1's start and kept; each micro-batch's output kept until
+           its backward (``fwd_cache``); each input's gradient left on its buffer until the
+           next step's ``clear_runtime_states``
+    """
+
+    NONE = "none"
+    TORCH = "torch"
+
+
 # Bounds that keep a mistyped number from a search that never ends or byte counts past the
 # planner's 64-bit arrays: 2^24 sequences per step (Llama 3 trained with ~4k sequences of 4k
 # tokens, Dubey et al. 2024) and 2^24 tokens per sequence (the longest published training
@@ -864,6 +881,11 @@ class Workload(Record):
         "window, which SDPA converts to the query's dtype and saves, K and V repeated to every "
         "query head for it (transformers' SDPA path)"))
     pipeline_split: PipelineSplit = PipelineSplit.EVEN
+    pipeline_buffers: PipelineBuffers = Field(default=PipelineBuffers.NONE, description=(
+        "what a pipeline stage's runtime keeps per micro-batch beyond the activations "
+        "(PipelineBuffers): nothing (Megatron-LM), or torch.distributed.pipelining's "
+        "PipelineStage receive buffers, kept outputs and input gradients (torchtitan); "
+        "read at pp > 1 only"))
     loss_chunks: int = Field(default=1, gt=0, le=MAX_SEQ_LEN, description=(
         "1: the head and cross-entropy run on all tokens at once; n > 1: on n chunks of the "
         "tokens, each under activation checkpointing (logits never exist for all tokens)"))

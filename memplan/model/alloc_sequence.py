@@ -6,7 +6,9 @@ of a pipeline stage (``memplan.model.stage.walk_stage``), without running anythi
 
 - setup: each parameter tensor (the rank's bytes of it, in registration order), the registered
   buffers, the master copy per tensor and what the optimizer makes at construction, DDP's
-  gradient buckets, persistent gradient buffers;
+  gradient buckets, persistent gradient buffers, a pipeline runtime's receive buffers (made at
+  step 1's start, before its first forward, with nothing freed since the set-up:
+  ``memplan.model.pipeline_buffers``);
 - steps 1, 2 and 3, each micro-batch (two at most: a third repeats the second): the forward
   (the stage's inputs, each layer's saved terms as tensors, its local peak beyond them as one
   tensor made and freed, autocast's cached casts until the forward's end, the head's events),
@@ -19,7 +21,9 @@ of a pipeline stage (``memplan.model.stage.walk_stage``), without running anythi
 What the sequence approximates (said with the estimate's assumptions): a layer's transient peak
 is one tensor, made after its saved terms; a moment's gradients in flight one tensor; the
 data-parallel mechanism's instants one tensor each on the compute stream; tensors of a
-parameter group take the group's bytes in proportion to their elements. Its own tensor peak is
+parameter group take the group's bytes in proportion to their elements; a pipeline runtime's
+kept outputs and input gradients (``pipeline_buffers.StageBuffers.in_step``) are not replayed,
+only its receive buffers. Its own tensor peak is
 returned beside the replay, so the allocator's bytes beyond live tensors (rounding, split
 remainders, cached free blocks) are read from the replay and the tensor peak from the walk.
 
@@ -215,6 +219,8 @@ class StageInputs(NamedTuple):
     rebuild: tuple[tuple[int, ...], ...] = ()  # per run, the tensors its layers' backward
     #                                           rebuilds first (full recompute), else ()
     nf4_weights: tuple[tuple[int, ...], ...] = ()  # per layer, torchao 0.1 NF4 weights'
+    pipeline_buffers: tuple[int, ...] = ()  # a pipeline runtime's receive buffers, each a
+    #          tensor (``pipeline_buffers.StageBuffers.tensors``)
     #          elements: the set-up is torchtune's QLoRA one (``memplan.model.nf4_init``)
 
 
@@ -235,7 +241,8 @@ class _Run:
 
 
 def _setup(r: _Run) -> None:
-    """Weights, buffers, master copy, the optimizer's set-up, buckets, persistent gradients."""
+    """Weights, buffers, master copy, the optimizer's set-up, buckets, persistent gradients,
+    a pipeline runtime's receive buffers."""
     s, b = r.s, r.b
     every = [*s.embed_elements, *(e for lt in _layers(r) for e in lt.elements),
              *s.head_elements]
@@ -255,6 +262,8 @@ def _setup(r: _Run) -> None:
     for size in chunks(int(s.buckets * scale), DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES):
         b.alloc(size)
     b.alloc(int(s.persistent_grads * scale))
+    for size in s.pipeline_buffers:  # a stage's, not its layers': not scaled
+        b.alloc(size)
     b.mark()
 
 

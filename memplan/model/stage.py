@@ -31,6 +31,7 @@ from memplan.model.compiled import layer_workload as compiled_layer_workload
 from memplan.model.layer import LayerKind, backward_moments, merge_terms, unsaved_stream
 from memplan.model.moments import Segment
 from memplan.model.pipeline import Schedule
+from memplan.model.pipeline_buffers import StageBuffers, stage_buffers
 from memplan.model.stage_parts import (
     LayerKey,
     StageKinds,
@@ -117,6 +118,9 @@ class StageMemory(NamedTuple):
     load_bytes: int = 0  # tensor bytes at the model's load, before step 1, where they exceed
     #                      the weights (``stage_parts.load_bytes``; 0: not modelled); in
     #                      tensor_peak_bytes when above both steps' peaks
+    pipeline_buffers_bytes: int = 0  # the pipeline runtime's receive buffers, kept from step
+    #                                  1's start (``memplan.model.pipeline_buffers``); in
+    #                                  every phase of both steps' peaks
 
     @property
     def activation_terms(self) -> tuple[Term, ...]:
@@ -144,6 +148,7 @@ class Walked(NamedTuple):
     loss_bytes: int
     steady: PhasePeaks
     first_step: PhasePeaks
+    pipe: StageBuffers = StageBuffers()  # the pipeline runtime's buffers
 
     @property
     def tensor_peak(self) -> int:
@@ -183,7 +188,8 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
         tensor_peak, ovh.cuda_context_bytes, ovh.workspace_bytes,  # tensor_peak_bytes, ...
         ovh.allocator_bytes(tensor_peak), rank_peak_bytes(tensor_peak, ovh),  # ..., peak_bytes
         0, st.host_bytes + host_activations, host_activations,  # calibration_bytes, host_...
-        None, fx.buffers, st.paged_bytes, fx.load)  # analytic_phases, buffers_bytes, ...
+        None, fx.buffers, st.paged_bytes, fx.load,  # analytic_phases, buffers_bytes, ...
+        w.pipe.persistent_bytes)  # pipeline_buffers_bytes
 
 
 # the head and the embedding of a stage without them (tuples: shared by every stage)
@@ -271,6 +277,7 @@ class Prepared(NamedTuple):
     flight: tuple[int, ...]
     entries: Entries
     walk: tuple[Walk, int, int]
+    pipe: StageBuffers  # the pipeline runtime's buffers beside the walk (``stage_buffers``)
 
 
 def _prepare(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
@@ -284,7 +291,8 @@ def _prepare(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: 
     flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
     entries = _entries(spec, par, wl, shared, fx, kinds)
     return Prepared(shared, host_rope, flight, entries,
-                    _walk(spec, par, wl, shared, fx, kinds, entries, flight))
+                    _walk(spec, par, wl, shared, fx, kinds, entries, flight),
+                    stage_buffers(wl, par, m, stage, flight, shared.dm.stream(spec.hidden_size)))
 
 
 def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
@@ -306,7 +314,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     st = fx.states
     if prepared is None or accumulating:  # (accumulating: fx changed above)
         prepared = _prepare(spec, par, wl, m, stage, schedule, shared, (fx, kinds))
-    shared, host_rope, flight, entries = prepared[:4]
+    shared, host_rope, flight, entries, _, pipe = prepared
     walk, activations, one_mb = prepared.walk
     # the output layer's deferred weight gradient (``memplan.model.deferred_wgrad``)
     dfr = deferred(spec, wl, shared.dm, m, flight[-1]) if fx.last else NO_DEFERRAL
@@ -330,23 +338,32 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         in_forward, bwd = grads[2:] if steady else grads1[:2]
         # the drain's gathered buffers stay from the first step's drain on
         resident = dfr.resident if steady else 0
-        # the drain of deferred weight gradients after the last backward, beside the
-        # gradients (its gathered buffers counted in ``dfr.drain``)
-        drain = max(base + opt_bytes + from_loss + held + st.grads_bytes + dfr.drain
-                    if dfr.pair else 0, _reduce_after(fx, base + opt_bytes + from_loss))
+        # after the last backward: the pipeline's receive buffers beside it (``pipe.at_step``)
+        after = max(_after_backward(fx, dfr, base + opt_bytes + from_loss, held), last_step)
         init = base + opt_bytes + fx.shard.forward_start(steady, st.grads_bytes)
         return PhasePeaks(  # forward, backward, optimizer
             max(base + resident + opt_bytes + in_forward + _outside_walk(shared, walk)
-                + (forward if steady else forward1)(steady), init),
-            max(base + resident + opt_bytes + from_loss + bwd, drain, last_step),
-            (optimizer if steady else optimizer_first) + resident)
+                + (forward if steady else forward1)(steady) + pipe.in_step,
+                init + pipe.persistent_bytes),
+            max(base + resident + opt_bytes + from_loss + bwd + pipe.in_step,
+                after + pipe.at_step if after else 0),
+            (optimizer if steady else optimizer_first) + resident + pipe.at_step)
 
     # Master weights (and bitsandbytes' quantization maps) exist from optimizer setup; a grad
     # scaler's state from step 1's loss; moments appear at step 1's optimizer step.
     return Walked(fx, kinds, entries, flight, activations, one_mb,
                   max(walk.head.loss_forward, walk.head.loss),
                   peaks(st.optimizer_bytes, 0, True),
-                  peaks(st.master_bytes + st.setup_bytes, st.scaler_bytes, False))
+                  peaks(st.master_bytes + st.setup_bytes, st.scaler_bytes, False), pipe)
+
+
+def _after_backward(fx: StageStates, dfr: Deferred, beside: int, held: int) -> int:
+    """What is alive after the last backward, 0 where the walk ends the backward's phase: the
+    drain of deferred weight gradients, beside the gradients and the logits the loop
+    holds (``held``; its gathered buffers counted in ``dfr.drain``), or a reduce after
+    backward (``_reduce_after``)."""
+    return max(beside + held + fx.states.grads_bytes + dfr.drain if dfr.pair else 0,
+               _reduce_after(fx, beside))
 
 
 def _outside_walk(shared: StageTerms, walk: Walk) -> int:
@@ -632,4 +649,5 @@ def backward_floor(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, s
     # the steady state's gradients before a backward, as ``_gradients`` has them
     prior = st.grads_bytes if wl.keep_grads and not in_forward else in_forward
     base = st.params_bytes + fx.buckets + fx.buffers
-    return base + st.optimizer_bytes + backward_head_peak(walk, prior)
+    # (the pipeline runtime's buffers beside the walk: in the backward's peak too)
+    return base + st.optimizer_bytes + backward_head_peak(walk, prior) + prepared.pipe.in_step

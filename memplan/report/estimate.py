@@ -65,6 +65,8 @@ def stage_json(s: StageMemory, reserved: Reserved | None = None) -> dict[str, An
         **({"host_activations_bytes": s.host_activations_bytes}
            if s.host_activations_bytes else {}),
         **({"load_bytes": s.load_bytes} if s.load_bytes else {}),
+        **({"pipeline_buffers_bytes": s.pipeline_buffers_bytes}
+           if s.pipeline_buffers_bytes else {}),
         "peak_phase": s.peak_phase,
         # calibrated when a profile was applied (their largest: tensor peak + calibration),
         # with the analytic ones beside them; analytic otherwise (analytic_phases null)
@@ -264,6 +266,8 @@ def estimate_parts(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
         *([("registered buffers (RoPE tables)" if est.workload.te_fp8.value == "none" else
             "kept buffers (RoPE tables, TE fp8 weights)", "buffers_bytes")]
           if worst.buffers_bytes else []),
+        *([("pipeline receive buffers (torch's PipelineStage)", "pipeline_buffers_bytes")]
+          if worst.pipeline_buffers_bytes else []),
         ("tensor peak", "tensor_peak_bytes"),
         *([("calibration correction", "calibration_bytes")] if est.calibration else []),
         ("CUDA context", "cuda_context_bytes"),
