@@ -571,8 +571,8 @@ class PipelineBuffers(PlainEnum):
     torch  torch.distributed.pipelining's PipelineStage (torch 2.13, stage.py): a receive
            buffer per micro-batch of the step for the stage's input and one for its output's
            gradient, made at step 1's start and kept; each micro-batch's output kept until
-           its backward (``fwd_cache``); each input's gradient left on its buffer until the
-           next step's ``clear_runtime_states``
+           its backward (``fwd_cache``); Schedule1F1B's last sent input gradient kept until
+           the next backward (``bwd_sends``; ``stage_backward`` takes each off its buffer)
     """
 
     NONE = "none"

@@ -457,6 +457,8 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
         "MoE routing balanced across experts (no capacity drop, no imbalance)",
         *adapters.assumptions(wl),
         *_compile_float8_lines(wl),
+        *((_PIPELINE_BUFFERS_LINE,) if par.pp > 1 and wl.pipeline_buffers.value == "torch"
+          else ()),
         *fsdp1.assumptions(spec, par, wl),
         *((_deltanet_line(wl),) if spec.linear_attention is not None else ()),
         *((_mamba_line(spec, wl),) if spec.mamba is not None else ()),
@@ -481,6 +483,14 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
         f"allocator: {ovh.allocator_source}",
         "NCCL buffers are not included (outside PyTorch's allocator; measured by calibration)",
     )
+
+
+_PIPELINE_BUFFERS_LINE = (
+    "pipeline stages as torch.distributed.pipelining's PipelineStage runs them: a receive "
+    "buffer per micro-batch for each stage's input and its output's gradient, each output "
+    "kept until its backward (memplan.model.pipeline_buffers); not counted: the last stage's "
+    "logits kept until their backward, the sends an interleaved schedule keeps un-waited to "
+    "the step's end, step 1's metadata inference")
 
 
 def _compile_float8_lines(wl: Workload) -> tuple[str, ...]:
