@@ -478,21 +478,29 @@ def with_post_norm_schedule(moments: Sequence[LayerMoment], spec: ModelSpec, wl:
     ``cpp_fused__to_copy__unsafe_view_add_mul_sum_view_3`` frees ``mm_6`` and ``rsqrt_3``
     before the attention post norm's input-gradient kernel). Rebuilt inside the graph
     (``rerun_whole_mlp``) no SiLU(gate) buffer (a GPU's lowering inlines it; CPU's alone
-    realizes it). With sandwich norms (Gemma 2's layer) the MLP post norm's weight-gradient
-    reduction runs first, at its own backward, its input gradient then written into its
-    saved input's buffer (``decide_inplace_update``): nothing held
-    (traced: benchmarks/compiled_backward.py, Gemma 2's layer, bf16, no recompute,
-    ``cpp_fused__to_copy__unsafe_view_mul_sum_view_0`` before the input gradient's kernel:
-    Inductor's fusion there does not join it to the attention post norm's reduction, as it
-    does in OLMo 2's layer; observed, not derived). Rebuilt (full recompute inside the
-    graph) the pre-feedforward norm's fp32 normalised input is alive from the rerun to its
-    weight gradient, after the MLP's input gradients (``sandwich_rerun_norm_bytes``); no
-    activation buffer beside the product (GELU's ``tanh`` inlined, as a GPU lowers it)."""
+    realizes it). With sandwich norms (Gemma 2's layer) not rebuilt the same: the MLP post
+    norm's reduction fused with the other norms' after the attention's backward (traced with
+    Inductor's GPU realization rules: benchmarks/compiled_backward.py, Gemma 2's layer, bf16,
+    no recompute, 2 x 1,024 tokens: ``cpp_fused__to_copy__unsafe_view_add_mul_sum_view_6``
+    frees ``mm_6`` and ``rsqrt_3``). On CPU the reduction runs first, its input gradient then
+    written into its saved input's buffer (``cpp_fused__to_copy__unsafe_view_mul_sum_view_0``,
+    ``decide_inplace_update``): nothing held, 1,056,256 B under the GPU rules' trace there;
+    the CPU's read and op-count thresholds (torch/_inductor/ir.py
+    ``StorageBox.has_exceeded_max_reads``, ``Loops.has_large_inner_fn``:
+    ``config.realize_cpu_acc_reads_threshold`` 12, ``realize_cpu_opcount_threshold`` 50
+    against a GPU's 8 and 30, torch 2.13; either set as a GPU's gives the GPU's schedule)
+    leave a value inlined that a GPU realizes, and the fusion follows. Rebuilt (full
+    recompute inside the graph) that reduction runs at its own backward, before the MLP's
+    (``cpp_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_sum_view_11`` after the input
+    gradient's kernel, GPU rules): nothing held; the pre-feedforward norm's fp32 normalised
+    input is alive from the rerun to its weight gradient, after the MLP's input gradients
+    (``sandwich_rerun_norm_bytes``); no activation buffer beside the product (GELU's
+    ``tanh`` inlined, as a GPU lowers it)."""
     if not (dm.compiled and spec.norm_placement.post_norm):
         return list(moments)
     post = spec.norm_placement is NormPlacement.POST
-    kept = dm.rows * spec.hidden_size * dm.e + dm.rows * FP32_BYTES if post else 0
     rebuilt = recompute is Recompute.FULL and not in_checkpoint(wl)
+    kept = dm.rows * spec.hidden_size * dm.e + dm.rows * FP32_BYTES if post or not rebuilt else 0
     normed = sandwich_rerun_norm_bytes(spec, dm) if rebuilt else 0
     out, state = [], "before"
     for m in moments:
