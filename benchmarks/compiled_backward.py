@@ -7,6 +7,14 @@ the repository root, with transformers and torchtitan installed::
 
 (``--stored FILE`` takes the traced peaks from a stored file and recomputes memplan's.)
 
+Each case is traced twice: with Inductor's GPU realization rules (``compiled_layer_step(...,
+gpu_realize=True)``, ``compiled_trace._gpu_realization``), the ground truth memplan models (a
+GPU planner: the buffers a GPU run holds), and with the CPU's own (``cpu_traced_*``, for the
+record). On CPU Inductor's lowering gives a reused pointwise value computed with a heavy op
+(``exp``, ``sigmoid``, ``tanh``...) a buffer of its own where a GPU's inlines it into each
+reader (torch/_inductor/ir.py ``StorageBox.should_realize_on_reuse``, torch 2.13), and reads
+and op counts have CPU thresholds (``has_exceeded_max_reads``, ``Loops.has_large_inner_fn``).
+
 ``tests/traced/test_compile_trace.py`` pins the toy layer (h 256) at 2 x 64 tokens, where the
 MLP's weight gradients (3 h f elements) outweigh its activations (T f each); a training micro-
 batch holds thousands of tokens per layer, and Inductor's schedule of the backward
@@ -55,20 +63,15 @@ CASES = [  # (library: torchtitan, transformers (Llama), olmo2 or gemma2, fused 
     ("olmo2", False, "bfloat16", "none", 2, 64),
     ("olmo2", False, "bfloat16", "none", 2, 1024),
     ("olmo2", False, "bfloat16", "full", 2, 64),
+    ("olmo2", False, "bfloat16", "full", 2, 256),
     ("olmo2", False, "bfloat16", "full", 2, 1024),
     # transformers' Gemma 2 layer (sandwich norms, GeGLU: hf_configs.GEMMA2_TOY); full: the
-    # checkpoint inside the compiled graph, traced with Inductor's GPU realization rules
-    # (``GPU_REALIZE``)
+    # checkpoint inside the compiled graph
     ("gemma2", False, "bfloat16", "none", 2, 64),
     ("gemma2", False, "bfloat16", "none", 2, 1024),
     ("gemma2", False, "bfloat16", "full", 2, 256),
     ("gemma2", False, "bfloat16", "full", 2, 1024),
 ]
-# the cases traced with ``compiled_layer_step(gpu_realize=True)``: on CPU Inductor's lowering
-# also makes the rebuilt GeGLU's fp32 tanh a buffer (a heavy op read twice), which a GPU's
-# inlines (``memplan.profile.compiled_trace._gpu_realization``; with the CPU's rules, Gemma 2
-# full's backward is T x f x 4 B higher: 2 x 1,024 tokens 33,055,232 B)
-GPU_REALIZE = {("gemma2", "full")}
 
 
 def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: int,
@@ -112,7 +115,9 @@ def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch:
 
 
 def traced_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: int,
-                 seq: int) -> tuple[int, int]:
+                 seq: int, gpu_realize: bool = True) -> tuple[int, int]:
+    """The traced (forward peak, backward peak), by default with Inductor's GPU realization
+    rules (``gpu_realize``)."""
     from hf_configs import GEMMA2_TOY, LLAMA3_TOY, OLMO2_TOY, hf
 
     from memplan.profile.compiled_trace import compiled_layer_step
@@ -123,8 +128,7 @@ def traced_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: 
               else {"torchtitan": dict(TITAN, fuse_qkv=fused)})
     weights, autocast = ("float32", "bfloat16") if dtype == "amp-bf16" else (dtype, None)
     _, forward, backward = compiled_layer_step(
-        config, weights, batch, seq, autocast, checkpoint,
-        gpu_realize=(library, checkpoint) in GPU_REALIZE)
+        config, weights, batch, seq, autocast, checkpoint, gpu_realize=gpu_realize)
     return forward, backward
 
 
@@ -142,21 +146,27 @@ def main() -> int:
         row = stored.get(case)
         traced = ((row["traced_forward_bytes"], row["traced_backward_bytes"]) if row
                   else traced_peaks(*case))
+        cpu = ((row["cpu_traced_forward_bytes"], row["cpu_traced_backward_bytes"]) if row
+               else traced_peaks(*case, gpu_realize=False))
         model = memplan_peaks(*case)
         library, fused, dtype, checkpoint, batch, seq = case
         row = {"library": library, "fused_qkv": fused, "dtype": dtype, "checkpoint": checkpoint,
                "batch": batch, "seq": seq, "traced_forward_bytes": traced[0],
                "memplan_forward_bytes": model[0], "traced_backward_bytes": traced[1],
-               "memplan_backward_bytes": model[1]}
+               "memplan_backward_bytes": model[1], "cpu_traced_forward_bytes": cpu[0],
+               "cpu_traced_backward_bytes": cpu[1]}
         rows.append(row)
         print(f"{library:12s} {checkpoint:4s} {batch} x {seq:5d} {dtype}: forward (B) "
               f"{model[0]:,} vs {traced[0]:,} ({model[0] / traced[0] - 1:+.2%}), backward "
-              f"{model[1]:,} vs {traced[1]:,} ({model[1] / traced[1] - 1:+.2%})", flush=True)
+              f"{model[1]:,} vs {traced[1]:,} ({model[1] / traced[1] - 1:+.2%}); CPU rules "
+              f"{cpu[0]:,} / {cpu[1]:,}", flush=True)
     if args.write:
         import torch
 
-        args.write.write_text(json.dumps({"torch": torch.__version__, "rows": rows},
-                                         indent=1) + "\n")
+        args.write.write_text(json.dumps({
+            "torch": torch.__version__, "traced": "compiled_layer_step(gpu_realize=True): "
+            "Inductor's GPU realization rules; cpu_traced_*: its CPU rules", "rows": rows},
+            indent=1) + "\n")
     return 0
 
 

@@ -430,16 +430,22 @@ def post_norm_backward_bytes(spec: ModelSpec, dm: Dims) -> int:
 def rerun_whole_mlp(spec: ModelSpec, dm: Dims) -> bool:
     """A compiled layer rebuilt inside the graph (full AC, ``Dims.rerun``) with a norm after
     its MLP (``NormPlacement.post_norm``): that norm's backward reads its input, the down
-    projection's output, so the rerun runs the whole MLP, the product and SiLU(gate)
-    included, where a pre-norm layer's rerun stops at gate and up (``swiglu_moments``).
-    Inductor's rerun kernel writes SiLU(gate) and the product as two buffers (the product
-    for the down projection, SiLU(gate) for up's gradient in the backward's kernel), and the
-    backward then runs in the order of a layer not rebuilt: the down weight's gradient
-    first, the product's buffer reused for its gradient, the fused kernel writing the gate's
-    gradient into SiLU(gate)'s buffer and up's into up's (``decide_inplace_update``).
-    Traced: benchmarks/compiled_backward.py, transformers' OLMo 2 layer, bf16, full
-    recompute, 2 x 1,024 tokens (``cpp_fused__unsafe_view_mul_silu_7``, its outputs
-    ``buf21`` and ``buf23``)."""
+    projection's output, so the rerun runs the whole MLP, the product included, where a
+    pre-norm layer's rerun stops at gate and up (``swiglu_moments``). Inductor's rerun kernel
+    writes the product alone (SiLU(gate) inlined into it and into the backward's fused
+    kernel, as a GPU lowers it), and the backward then runs in the order of a layer not
+    rebuilt: the down weight's gradient first, the product's buffer reused for its
+    gradient, the fused kernel writing up's gradient into up's buffer
+    (``decide_inplace_update``) and the gate's anew. Traced with Inductor's GPU realization
+    rules (``compiled_layer_step(gpu_realize=True)``): benchmarks/compiled_backward.py,
+    transformers' OLMo 2 layer, bf16, full recompute, 2 x 256 tokens
+    (``cpp_fused__unsafe_view_mul_silu_7(buf20, buf21, buf22)``: gate and up in, the
+    product ``buf22`` out; ``cpp_fused__unsafe_view_mul_silu_silu_backward_view_9``: the
+    gate's gradient ``buf31`` new, up's in up's ``buf21``). On CPU the kernel also writes
+    SiLU(gate) as a buffer, alive until the backward's kernel writes the gate's gradient
+    into it: a reused pointwise value with a heavy op (``sigmoid``) realized on CPU alone
+    (torch/_inductor/ir.py ``StorageBox.should_realize_on_reuse``, torch 2.13), not
+    modelled (the CPU rules' trace: 2 x 256 tokens T f 2 higher before the MLP's kernel)."""
     return dm.compiled and dm.rerun and spec.norm_placement.post_norm
 
 
@@ -471,23 +477,30 @@ def with_post_norm_schedule(moments: Sequence[LayerMoment], spec: ModelSpec, wl:
     compiled_backward.py, transformers' OLMo 2 layer, bf16, 2 x 1,024 tokens:
     ``cpp_fused__to_copy__unsafe_view_add_mul_sum_view_3`` frees ``mm_6`` and ``rsqrt_3``
     before the attention post norm's input-gradient kernel). Rebuilt inside the graph
-    (``rerun_whole_mlp``) SiLU(gate) is alive beside the rerun until the MLP's fused kernel
-    writes the gate's gradient into it. With sandwich norms (Gemma 2's layer) the MLP post
-    norm's weight-gradient reduction runs first, at its own backward, its input gradient
-    then written into its saved input's buffer (``decide_inplace_update``): nothing held
-    (traced: benchmarks/compiled_backward.py, Gemma 2's layer, bf16, no recompute,
-    ``cpp_fused__to_copy__unsafe_view_mul_sum_view_0`` before the input gradient's kernel:
-    Inductor's fusion there does not join it to the attention post norm's reduction, as it
-    does in OLMo 2's layer; observed, not derived). Rebuilt (full recompute inside the
-    graph) the pre-feedforward norm's fp32 normalised input is alive from the rerun to its
-    weight gradient, after the MLP's input gradients (``sandwich_rerun_norm_bytes``); no
-    activation buffer beside the product (GELU's ``tanh`` inlined, as a GPU lowers it)."""
+    (``rerun_whole_mlp``) no SiLU(gate) buffer (a GPU's lowering inlines it; CPU's alone
+    realizes it). With sandwich norms (Gemma 2's layer) not rebuilt the same: the MLP post
+    norm's reduction fused with the other norms' after the attention's backward (traced with
+    Inductor's GPU realization rules: benchmarks/compiled_backward.py, Gemma 2's layer, bf16,
+    no recompute, 2 x 1,024 tokens: ``cpp_fused__to_copy__unsafe_view_add_mul_sum_view_6``
+    frees ``mm_6`` and ``rsqrt_3``). On CPU the reduction runs first, its input gradient then
+    written into its saved input's buffer (``cpp_fused__to_copy__unsafe_view_mul_sum_view_0``,
+    ``decide_inplace_update``): nothing held, 1,056,256 B under the GPU rules' trace there;
+    the CPU's read and op-count thresholds (torch/_inductor/ir.py
+    ``StorageBox.has_exceeded_max_reads``, ``Loops.has_large_inner_fn``:
+    ``config.realize_cpu_acc_reads_threshold`` 12, ``realize_cpu_opcount_threshold`` 50
+    against a GPU's 8 and 30, torch 2.13; either set as a GPU's gives the GPU's schedule)
+    leave a value inlined that a GPU realizes, and the fusion follows. Rebuilt (full
+    recompute inside the graph) that reduction runs at its own backward, before the MLP's
+    (``cpp_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_sum_view_11`` after the input
+    gradient's kernel, GPU rules): nothing held; the pre-feedforward norm's fp32 normalised
+    input is alive from the rerun to its weight gradient, after the MLP's input gradients
+    (``sandwich_rerun_norm_bytes``); no activation buffer beside the product (GELU's
+    ``tanh`` inlined, as a GPU lowers it)."""
     if not (dm.compiled and spec.norm_placement.post_norm):
         return list(moments)
     post = spec.norm_placement is NormPlacement.POST
-    kept = dm.rows * spec.hidden_size * dm.e + dm.rows * FP32_BYTES if post else 0
     rebuilt = recompute is Recompute.FULL and not in_checkpoint(wl)
-    silu = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e if rebuilt and post else 0
+    kept = dm.rows * spec.hidden_size * dm.e + dm.rows * FP32_BYTES if post or not rebuilt else 0
     normed = sandwich_rerun_norm_bytes(spec, dm) if rebuilt else 0
     out, state = [], "before"
     for m in moments:
@@ -496,8 +509,7 @@ def with_post_norm_schedule(moments: Sequence[LayerMoment], spec: ModelSpec, wl:
         if kept and state in ("post", "kernel") and m.name != "mlp_post_norm":
             m = m._replace(alive_bytes=m.alive_bytes + kept, grads_before=tuple(
                 g for g in m.grads_before if g != "mlp_post_norm"))
-        held = (silu if state in ("before", "post") else 0) + (
-            normed if state != "after" and m.name != "mlp_norm" else 0)
+        held = normed if state != "after" and m.name != "mlp_norm" else 0
         out.append(m._replace(alive_bytes=m.alive_bytes + held))
     return out
 

@@ -338,7 +338,8 @@ def _per_op_sac(layer: Any) -> Any:
 
 def compiled_layer_peaks(config: dict, dtype_name: str, batch: int, seq: int,
                          autocast: str | None = None, checkpoint: str = "none",
-                         kernel_per_node: bool = False) -> tuple[int, int]:
+                         kernel_per_node: bool = False, gpu_realize: bool = False,
+                         ) -> tuple[int, int]:
     """(forward peak, backward peak) of one compiled decoder layer's step (``_layer``), in bytes
     above what exists before it (weights, the input, the RoPE tables, the output's gradient),
     from the CPU allocator's own events (torch.profiler with profile_memory: they include
@@ -348,9 +349,10 @@ def compiled_layer_peaks(config: dict, dtype_name: str, batch: int, seq: int,
     copies (132,736 B at the toy's q projection) that no GPU kernel makes. ``autocast`` and
     ``checkpoint`` ("none" or "full"): as ``compiled_layer_saved``'s. ``kernel_per_node``:
     one kernel per scheduler node (``_kernel_per_node``), as a GPU backend launches them; off,
-    the C++ backend's groups of kernels (what the pinned traces were recorded with)."""
+    the C++ backend's groups of kernels (what the pinned traces were recorded with).
+    ``gpu_realize``: as ``compiled_layer_step``'s."""
     return compiled_layer_step(config, dtype_name, batch, seq, autocast, checkpoint,
-                               kernel_per_node)[1:]
+                               kernel_per_node, gpu_realize)[1:]
 
 
 def compiled_layer_step(config: dict, dtype_name: str, batch: int, seq: int,
