@@ -1061,8 +1061,9 @@ def _retry_reserved(ctx: _Context, c: Candidate, peak: int, retried: dict
     beyond a set's tensors at this layout and micro-batch (``peak`` less ``c``'s tensor
     peak), and replayed in its turn; at a smaller micro-batch (where no set not tried fits
     that budget) it is chosen again against the whole budget. Before, the same set was kept
-    at half the micro-batch (Llama 3 70B x 64, seq 8,192: every candidate shown at micro-
-    batch 1, step times up to 102 s, where keeping less at micro-batch 2 fits)."""
+    at half the micro-batch (llama-7b x 8, seq 4,096: the second and third candidates of
+    ``--top 3``, ZeRO 2 at micro-batch 2 and ZeRO 3 at 4, went to 1 and 2; now they keep
+    15 and 9 items at 2 and 4, tests/unit/test_sac_ops.py)."""
     ops = c.recompute is Recompute.OPS
     if ops:
         key = (c.layout, c.micro_batch_size)
