@@ -308,24 +308,16 @@ def _save_within(sets: tuple, forward: tuple, run: Any, budget: int) -> tuple[st
 
 
 def _reserved_excess(est: Any, alloc_conf: str) -> int | None:
-    """How many bytes more than its tensors' peak the most loaded stage needs once the caching
-    allocator is replayed under ``alloc_conf`` and the device's capacity
-    (``memplan.model.reserved.estimate_reserved``; each stage's reserved peak with the fixed
-    overheads its peak counts), where that is over the capacity or the allocator runs out of
-    memory; None where every stage fits."""
-    from memplan.model.reserved import estimate_reserved
+    """How many bytes the most loaded rank needs beyond the estimate's peak once the caching
+    allocator is replayed under ``alloc_conf`` and the device's capacity, where that does not
+    fit (``memplan.model.reserved.reserved_rank``, the figure ``plan`` fits); None where it
+    does."""
+    from memplan.model.reserved import reserved_rank
 
-    def need(i: int, r: Any) -> int:
-        s = est.stages[i]
-        return s.peak_bytes + r.reserved_peak_bytes - s.tensor_peak_bytes
-
-    def over(i: int, r: Any) -> bool:
-        return r.oom_step is not None or need(i, r) > est.capacity_bytes
-
-    got = estimate_reserved(est, alloc_conf, with_expandable=False, stop=over)
-    if not over(len(got) - 1, got[-1]):
+    got = reserved_rank(est, est.capacity_bytes, alloc_conf)
+    if got.oom_step is None and got.peak_bytes <= est.capacity_bytes:
         return None
-    return max(need(i, r) - est.stages[i].peak_bytes for i, r in enumerate(got))
+    return got.peak_bytes - est.peak_bytes
 
 
 def _as_list(value: str | list[str]) -> list[str]:

@@ -205,13 +205,14 @@ class RankReserved(NamedTuple):
     exact: bool = True
 
 
-def reserved_rank(est, above: int | None = None) -> RankReserved:
+def reserved_rank(est, above: int | None = None, alloc_conf: str = "") -> RankReserved:
     """``estimate_reserved`` of ``est`` under the allocator's defaults and the device's
     capacity, read as the per-GPU peak ``plan`` fits: each stage's reserved peak with its
     calibration correction, fixed overheads and a calibration's measured allocator residual
-    (``StageMemory.allocator_bytes``; 0 uncalibrated). The defaults alone: no expandable
-    replay. With ``above`` the replay stops at the first stage that peaks above it or runs
-    out of memory (all a search that asks whether it fits needs)."""
+    (``StageMemory.allocator_bytes``; 0 uncalibrated). The defaults alone (``alloc_conf``:
+    other settings): no expandable replay. With ``above`` the replay stops at the first
+    stage that peaks above it or runs out of memory (all a search that asks whether it fits
+    needs)."""
     def row(i: int, r: Reserved) -> int:
         s = est.stages[i]
         return (r.reserved_peak_bytes + s.calibration_bytes + s.cuda_context_bytes
@@ -220,7 +221,7 @@ def reserved_rank(est, above: int | None = None) -> RankReserved:
     def over(i: int, r: Reserved) -> bool:
         return above is not None and (r.oom_step is not None or row(i, r) > above)
 
-    got = estimate_reserved(est, with_expandable=False, stop=over)
+    got = estimate_reserved(est, alloc_conf, with_expandable=False, stop=over)
     rows = [(row(i, r), est.stages[i].stage, r.oom_step) for i, r in enumerate(got)]
     peak, stage, _ = max(rows, key=lambda x: x[0])
     oom = next((o for _, _, o in rows if o is not None), None)
