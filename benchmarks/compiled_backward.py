@@ -25,6 +25,12 @@ GPU backend launches them) and set beside memplan's layer: its forward peak and 
 backward moment with the gradients made by then, less one residual-stream tensor (the
 comparison ``test_compiled_layer_phase_peaks`` makes: memplan counts the layer's input and the
 incoming gradient, the trace the held output in their place).
+
+The float8 cases (a seventh field: torchao's recipe, ``--float8`` runs them alone; torchao
+installed) convert the block's linears as torchtitan's float8 converter does. On CPU
+``aten::_scaled_mm`` runs emulated, with fp32 copies of both float8 operands inside the call;
+the trace counts each call as its output alone, as a GPU's cuBLASLt kernel allocates it
+(``compiled_trace._scaled_mm_whole``).
 """
 
 from __future__ import annotations

@@ -233,8 +233,19 @@ def checkpointed_mlp_working_bytes(spec: ModelSpec, dm: Dims,
     the output projection's output, which the residual sums are recomputed from, the MLP
     norm's output, gate and up), as ``autocast_checkpointed_forward_bytes`` under autocast
     less its down-weight cast. None elsewhere: under autocast (that function), a fused
-    gate/up projection, an activation formula of several ops (gelu_new, xIELU), float8
-    linears or adapters (untraced)."""
+    gate/up projection, an activation formula of several ops (gelu_new, xIELU), or adapters
+    (untraced). With torchao's ``Float8Linear``s (``float8_gate_held``) the kernel writes
+    the product's float8 cast for the down projection (``hp_tensor_to_float8_dynamic`` fused
+    in: T x f / t float8 and its scales) and no bf16 product, beside gate and up (traced:
+    benchmarks/compiled_backward.py, torchtitan's block, torchao 0.18.0, full recompute at
+    2 x 1,024 tokens, tensorwise 8,917,956 B: memplan 5,060 B under, the CPU generator's
+    state and a scale; eager's three T x f counted before, +17.6%)."""
+    if float8_gate_held(spec, dm, linears) and linear.float8_converts(linears[-1], dm):
+        # the product's kernel writes its float8 cast for the down projection alone
+        elements = dm.tokens * spec.ffn_hidden_size // dm.tp
+        scales = dm.tokens if dm.float8 is Float8Recipe.ROWWISE else 1
+        return (2 * elements * dm.e + elements * linear.FLOAT8_BYTES
+                + scales * linear.FLOAT8_SCALE_BYTES)
     if not _plain_gated(spec, dm) or any(linear.float8_converts(lin, dm) for lin in linears):
         return None
     return 2 * dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
@@ -881,7 +892,7 @@ def float8_gate_held(spec: ModelSpec, dm: Dims, linears: Sequence[linear.Linear]
 def float8_swiglu_casts(spec: ModelSpec, dm: Dims, linears: Sequence[linear.Linear],
                         saved: int) -> list[BackwardMoment]:
     """Compiled with torchao's ``Float8Linear``s on a SwiGLU MLP's own gate and up
-    projections (``linears``: ``mlp.mlp_linears``; no recompute), the moment after the down
+    projections (``linears``: ``mlp.mlp_linears``), the moment after the down
     projection's grad-input ``_scaled_mm`` where Inductor's kernels recompute the
     activation's backward from the saved gate and up outputs and the product's gradient
     (T x f, kept) to feed the float8 casts of gate's and up's output gradients
@@ -904,6 +915,9 @@ def float8_swiglu_casts(spec: ModelSpec, dm: Dims, linears: Sequence[linear.Line
       row amaxes, beside the product's gradient and the incoming gradient's row amax:
       4.5 T x f x 2 B, before any weight gradient (25,266,180 B traced, memplan 6,148 B
       under: the weights' amaxes, hoisted to the backward's start).
+    Rebuilt (full recompute, per-op SAC: the checkpoint inside the graph) the same kernels
+    beside the rebuilt set, which holds more there, not modelled (2 x 1,024: tensorwise
+    full 21,512,222 B traced, memplan 2.7% under, per-op SAC 3.5%; rowwise 3.8% and 8.5%).
     None unconverted, tensor-parallel (untraced) or another MLP."""
     if not (spec.mlp is MlpKind.SWIGLU and not dm.float8_tp
             and float8_gate_held(spec, dm, linears)):
