@@ -15,7 +15,7 @@ cudaMalloc returns (ties in best fit go to the segment created first).
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from itertools import groupby
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -528,18 +528,17 @@ class CachingAllocator:
         by one)."""
         if self.cfg.expandable_segments:
             return None
-        # by pool: the free set's indices taken, the blip's own remainders (sorted)
-        taken, extra = {False: set(), True: set()}, {False: [], True: []}
-        # by pool: from an index taken, the next one that may not be (all between are taken)
-        jumps: dict[bool, dict[int, int]] = {False: {}, True: {}}
+        # by pool: the free set's indices taken, as runs [starts[r], ends[r]) apart from one
+        # another (``_taken_after``), and the blip's own remainders (sorted)
+        taken = {False: ([], []), True: ([], [])}
+        extra: dict[bool, list[int]] = {False: [], True: []}
         made: list[tuple[bool, int]] = []  # (small pool, bytes) of each segment made
         acc = [self.reserved, self.allocated, None, False]  # (``_blip_run``)
         divisions = self.cfg.roundup_power2_divisions
         for orig, count in runs:  # a blip's tensors are mostly of one size
             size = round_size(orig, divisions)
             small = size <= K_SMALL_SIZE
-            if not self._blip_run(size, count, small, stream, taken[small], jumps[small],
-                                  extra[small],
+            if not self._blip_run(size, count, small, stream, taken[small], extra[small],
                                   made, acc):
                 return None
         self._free_segments(stream, made)
@@ -582,31 +581,25 @@ class CachingAllocator:
                                              (False, n_large, top_large, sum_large)):
             if not count:
                 continue
-            pool = self._free.get((stream, small))
-            if not pool:
-                return False
-            if pool[-1] >> _SIZE >= total:
-                continue
             unit = largest + (K_MIN_BLOCK_SIZE if small else K_SMALL_SIZE + 1)
-            held, i = 0, len(pool) - 1
-            while held < count and i >= 0 and pool[i] >> _SIZE >= unit:
-                held += (pool[i] >> _SIZE) // unit
-                i -= 1
-            if held < count:
+            if not _holds(self._free.get((stream, small)), total, unit, count):
                 return False
         return True
 
-    def _blip_run(self, size: int, count: int, small: bool, stream: int, skip: set[int],
-                  jump: dict[int, int],
-                  mine: list[int], made: list[tuple[bool, int]], acc: list) -> bool:
+    def _blip_run(self, size: int, count: int, small: bool, stream: int,
+                  taken: tuple[list[int], list[int]], mine: list[int],
+                  made: list[tuple[bool, int]], acc: list) -> bool:
         """``count`` tensors of rounded ``size`` of a blip, each by best fit over the pool's
-        free blocks less those ``skip`` names and the blip's own remainders ``mine``, or a
-        new segment; ``acc``: reserved, allocated, the last growth, whether the last block
-        taken was the pool's; False where a segment would pass the capacity. Without
-        max_split_size (whose oversize rules read each block) runs of tensors are taken in
-        one step where best fit takes them in a known order: cut from a block of at least
-        twice the size (``_blip_carve``), the next blocks under twice it while no remainder
-        fits (``_blip_row``), or a new segment each (``_blip_segments``)."""
+        free blocks less those ``taken`` names (runs of indices, ``_taken_after``) and the
+        blip's own remainders ``mine``, or a new segment; ``acc``: reserved, allocated, the
+        last growth, whether the last block taken was the pool's; False where a segment
+        would pass the capacity. Without max_split_size (whose oversize rules read each
+        block) runs of tensors are taken in one step where best fit takes them in a known
+        order: cut from a block of at least twice the size (``_blip_carve``), the next
+        blocks under twice it while no remainder fits (``_blip_row``), or a new segment
+        each (``_blip_segments``). [ps, pe): the pool's blocks taken since ``taken`` was
+        last read (into it, ``_take``, before it is read again); none is taken from
+        ``first`` up to ``nxt`` (``_taken_after``)."""
         cfg = self.cfg
         pool = self._free.get((stream, small), ())
         n, first = len(pool), bisect_left(pool, size << _SIZE)
@@ -615,43 +608,43 @@ class CachingAllocator:
         segment = get_allocation_size(size, cfg.large_segment_bytes)
         below: list[int] = []  # remainders under ``size``: into ``mine`` once the run is done
         fast = limit == NO_LIMIT
+        starts, ends = taken
+        nxt = ps = pe = -1
         while count:
-            i = first
-            if i in skip:  # past the blocks taken (``jump``: where a scan went on)
-                passed = []
-                while i in skip:
-                    passed.append(i)
-                    i = jump.get(i, i + 1)
-                for k in passed:
-                    jump[k] = i
-            first = i  # (those before are taken, and stay so)
+            if first >= nxt:  # past the blocks taken
+                _take(starts, ends, ps, pe)
+                ps = pe
+                first, nxt = _taken_after(starts, ends, first)
+            i = first  # (those before are taken, and stay so)
             a = pool[i] >> _SIZE if i < n else None
             j = bisect_left(mine, size) if mine else 0
             b = mine[j] if j < len(mine) else None
             from_pool = a is not None and (b is None or a <= b)
             found = a if from_pool else b
-            if fast and b is None and a is not None:
-                made_now = self._blip_row(size, count, pool, i, skip, mine, below, least, acc)
-                if made_now:
-                    count -= made_now
-                    first = i + 1
-                    continue
-            if fast and found is not None and found >= 2 * size:
+            made_now, first = (self._blip_row(size, count, pool, i, nxt, mine, below, least,
+                                              acc) if fast and b is None and a is not None
+                               else (0, i))
+            if made_now:
+                count -= made_now
+            elif fast and found is not None and found >= 2 * size:
                 count = self._blip_carve(size, count, found, from_pool, j, mine, below,
                                          least, acc)
-                if from_pool:
-                    skip.add(i)
-                    first = i + 1
-                continue
-            if fast and found is None and segment < 2 * size:
+                first = i + 1 if from_pool else i
+            elif fast and found is None and segment < 2 * size:
+                _take(starts, ends, ps, pe)
                 return self._blip_segments(size, count, small, segment, made, below, least,
                                            acc) and self._blip_done(mine, below)
-            if not self._blip_one(size, small, a, b, j, mine, made, segment, least, acc):
+            elif self._blip_one(size, small, a, b, j, mine, made, segment, least, acc):
+                first = i + 1 if acc[3] else i  # those before are smaller or taken
+                count -= 1
+            else:
                 return False
-            if acc[3]:
-                skip.add(i)
-                first = i + 1  # those before are smaller or taken
-            count -= 1
+            if first > i:  # the pool's blocks i to first taken
+                if i != pe:
+                    _take(starts, ends, ps, pe)
+                    ps = i
+                pe = first
+        _take(starts, ends, ps, pe)
         return self._blip_done(mine, below)
 
     @staticmethod
@@ -686,18 +679,16 @@ class CachingAllocator:
         return count - t
 
     @staticmethod
-    def _blip_row(size: int, count: int, pool: list, i: int, skip: set[int], mine: list[int],
-                  below: list[int], least: int, acc: list) -> int:
+    def _blip_row(size: int, count: int, pool: list, i: int, nxt: int, mine: list[int],
+                  below: list[int], least: int, acc: list) -> tuple[int, int]:
         """With no remainder of the blip's that fits: the pool's blocks from ``i`` on, in
         order, each cut into as many tensors as it holds (``_blip_carve``: what is left of a
         block is under ``size`` and fits no later tensor of the run, so the next block is
-        the smallest that fits), until ``count`` are made; blocks of one size a group at a
-        time. Returns how many were made (0 where the next block was taken before: the
-        caller goes one by one)."""
-        end = i + count if i + count < len(pool) else len(pool)  # each block holds one
-        if skip:  # the first block taken before, from whichever side is shorter to scan
-            end = (next((k for k in range(i, end) if k in skip), end) if end - i < len(skip)
-                   else min((k for k in skip if i <= k < end), default=end))
+        the smallest that fits), until ``count`` are made or the block ``nxt`` taken before
+        is reached; blocks of one size a group at a time. Returns how many were made (0
+        where the next block was taken before: the caller goes one by one) and the index
+        past the last block cut."""
+        end = min(i + count, len(pool), nxt)  # each block holds one
         made, k = 0, i
         while k < end and made < count:
             c = pool[k] >> _SIZE
@@ -715,8 +706,7 @@ class CachingAllocator:
                 acc[1] += t * size
                 insort(mine, c - t * size)
                 made, k = count, k + 1
-        skip.update(range(i, k))
-        return made
+        return made, k
 
     def _blip_segments(self, size: int, count: int, small: bool, segment: int,
                        made: list[tuple[bool, int]], below: list[int], least: int,
@@ -766,12 +756,20 @@ class CachingAllocator:
         return True
 
     def _free_segments(self, stream: int, made: list[tuple[bool, int]]) -> None:
-        """Segments of (small pool, bytes) ``made`` on ``stream``, each one free block."""
+        """Segments of (small pool, bytes) ``made`` on ``stream``, each one free block
+        (``_new_segment``, its block linked and added to the free set as ``_add_free``
+        does, inline)."""
+        free, at, segments = self._free, self._at, self.segments
         for small, seg_bytes in made:
-            seg = self._new_segment(stream, small, expandable=False)
-            block = Block(0, seg_bytes, "free")
-            seg.insert_after(None, block)
-            self._add_free(seg, block)
+            order = self._order
+            self._order = order + 1
+            pool = free.setdefault((stream, small), [])
+            seg = Segment(order, stream, small, False, None, pool)
+            segments.append(seg)
+            seg.head = block = Block(0, seg_bytes, "free")
+            block.entry = key = (seg_bytes << _SIZE) | (order << _ORDER)
+            at[key] = (block, seg)
+            insort(pool, key)
             self.reserved += seg_bytes
 
     # --- free and release ---------------------------------------------------------------------
@@ -804,25 +802,32 @@ class CachingAllocator:
             self._release(seg)
         return released >= target
 
-    def _release(self, seg: Segment) -> None:
+    def _release(self, seg: Segment, listed: bool = True) -> None:
+        """cudaFree ``seg``; ``listed``: also out of ``segments`` (else the caller does)."""
         for block in seg.blocks:
             if block.state == "free":
                 self._drop_free(seg, block)
         self.reserved -= seg.mapped_bytes()
-        self.segments.remove(seg)
+        if listed:
+            self.segments.remove(seg)
 
     def release_cached_blocks(self) -> None:
         """DeviceCachingAllocator::release_cached_blocks -> release_blocks: cudaFree every segment
         that is one free block; in expandable segments unmap every whole free page (unmap_block)
-        and drop a segment left with no mapped page (release_expandable_segment)."""
-        for seg in list(self.segments):
+        and drop a segment left with no mapped page (release_expandable_segment). The segments
+        kept stay in order, the list rebuilt once."""
+        kept = []
+        for seg in self.segments:
             if seg.expandable:
                 for block in [b for b in seg.blocks if b.state == "free"]:
                     self.unmap_block(seg, block)
                 if all(b.state == "unmapped" for b in seg.blocks):
-                    self.segments.remove(seg)
+                    continue
             elif seg.single() and seg.head.state == "free":
-                self._release(seg)
+                self._release(seg, listed=False)
+                continue
+            kept.append(seg)
+        self.segments[:] = kept
 
     def unmap_block(self, seg: Segment, block: Block) -> None:
         """DeviceCachingAllocator::unmap_block / ExpandableSegment::unmap: the whole pages inside
@@ -859,6 +864,35 @@ class CachingAllocator:
             for b in s.blocks
             if b.state == "free"
         )
+
+
+def _taken_after(starts: list[int], ends: list[int], i: int) -> tuple[int, int]:
+    """A blip's taken pool indices, as runs ``[starts[r], ends[r])`` in order, none touching
+    the next: the first index from ``i`` on not taken, and the first taken after it (a
+    bound past any index where none is)."""
+    r = bisect_right(starts, i)
+    if r and ends[r - 1] > i:
+        i = ends[r - 1]  # (untaken: runs do not touch)
+    return i, starts[r] if r < len(starts) else NO_LIMIT
+
+
+def _take(starts: list[int], ends: list[int], i: int, k: int) -> None:
+    """Indices ``i`` to ``k`` (none of them taken; none where k <= i) join the taken runs
+    (``_taken_after``), merged with a run that ends at ``i`` or starts at ``k``."""
+    if k <= i:
+        return
+    r = bisect_right(starts, i)
+    if r and ends[r - 1] == i:
+        if r < len(starts) and starts[r] == k:
+            ends[r - 1] = ends[r]
+            del starts[r], ends[r]
+        else:
+            ends[r - 1] = k
+    elif r < len(starts) and starts[r] == k:
+        starts[r] = i
+    else:
+        starts.insert(r, i)
+        ends.insert(r, k)
 
 
 def replay(events: list[Alloc | Free | Blip], cfg: AllocatorConfig | None = None
@@ -1118,15 +1152,21 @@ def _quiet_inline(alloc: CachingAllocator, ev: Blip) -> bool:
 def _holds(pool: list[int] | None, total: int, unit: int, want: int) -> bool:
     """``blip_leaves_nothing``'s rules for one pool: its largest free block holds ``total``
     (the tensors' sizes plus the least remainder each), or its blocks' whole multiples of
-    ``unit`` (the largest tensor plus that remainder) number at least ``want``."""
+    ``unit`` (the largest tensor plus that remainder) number at least ``want`` (counted
+    from the largest down, the blocks of one size together: a Mamba scan's working sets
+    leave hundreds of equal segments)."""
     if not pool:
         return False
     if pool[-1] >> _SIZE >= total:
         return True
-    held, k = 0, len(pool) - 1
-    while held < want and k >= 0 and pool[k] >> _SIZE >= unit:
-        held += (pool[k] >> _SIZE) // unit
-        k -= 1
+    held, k = 0, len(pool)  # the blocks from k on counted, a size at a time
+    while held < want and k:
+        size = pool[k - 1] >> _SIZE
+        if size < unit:
+            break
+        j = bisect_left(pool, size << _SIZE, 0, k)  # the first block of that size
+        held += (k - j) * (size // unit)
+        k = j
     return held >= want
 
 

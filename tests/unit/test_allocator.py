@@ -580,3 +580,29 @@ def test_the_inline_reserved_replay_is_the_replay_event_for_event(
         ran_out += full.out_of_memory
     assert ran_out > 0 if "capacity" in conf else ran_out == 0
     assert calls > 0 if "capacity" in conf else calls == 0
+
+
+def test_a_blips_taken_blocks_kept_as_runs_answer_as_the_set_of_them() -> None:
+    """``_take`` and ``_taken_after`` (the pool indices a blip took, as runs) against the
+    plain set of those indices, over seeded random takes of one index or a stretch (as
+    ``_blip_one``/``_blip_carve`` and ``_blip_row`` take them: a stretch of untaken indices
+    up to the next taken one): the first untaken index from any i and the next taken after
+    it, and the runs never touching."""
+    import random
+
+    from memplan.model.allocator import NO_LIMIT, _take, _taken_after
+
+    rng = random.Random(20261206)
+    for _ in range(200):
+        starts, ends, taken = [], [], set()
+        for _ in range(rng.randint(1, 30)):
+            i, nxt = _taken_after(starts, ends, rng.randrange(60))
+            k = min(nxt, i + rng.choice([1, 1, rng.randint(1, 20)]))
+            _take(starts, ends, i, k)
+            taken.update(range(i, k))
+            assert all(e < s for e, s in zip(ends, starts[1:]))  # apart, in order
+            assert {x for s, e in zip(starts, ends) for x in range(s, e)} == taken
+            for q in range(90):
+                free = next(x for x in range(q, 200) if x not in taken)
+                after = min((x for x in taken if x > free), default=NO_LIMIT)
+                assert _taken_after(starts, ends, q) == (free, after)
