@@ -30,7 +30,7 @@ from memplan.model.stage_parts import (
     stage_layer_indices,
 )
 from memplan.model.stage_terms import StageTerms, stage_terms
-from memplan.parallel import ExpertSplit, ParallelConfig, pipeline_only
+from memplan.parallel import ExpertSplit, Offload, ParallelConfig, ZeroStage, pipeline_only
 from memplan.spec import ModelSpec
 from memplan.workload import Recompute, Workload
 
@@ -187,3 +187,45 @@ def _per_kind(wl: Workload) -> Workload:
 def _terms_for(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit,
                keys: frozenset[LayerKey]) -> StageTerms:
     return stage_terms(spec, wl, dm, ep, keys, layer_kind, grad_groups)
+
+
+# ``stage.walk_core`` per its inputs, the stage's optimizer states aside: ZeRO 0 and 1 of a
+# layout (and dp sizes that change only the optimizer's shard) walk the same activations
+# and gradients. Bounded: the oldest entry goes first.
+WALKS_MAX = 4096
+_walks: dict = {}
+_NO_STEP = Segment(())
+
+
+def walk_view(fx: StageStates) -> StageStates:
+    """``fx`` without what only its optimizer's step and states read (``stage.walk_core``
+    reads none of it): the optimizer's bytes, master copy, host and paged shares, the grad
+    scaler, the step's temporaries and segments, the load."""
+    return fx._replace(states=fx.states._replace(optimizer_bytes=0, master_bytes=0,
+                                                 num_optimizer_params=0, host_bytes=0,
+                                                 scaler_bytes=0, setup_bytes=0,
+                                                 paged_bytes=0),
+                       opt_temp=0, step=_NO_STEP, load=0, first_step=None)
+
+
+def stage_walk(core, spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
+               schedule: Schedule, shared: StageTerms,
+               parts: tuple[StageStates, StageKinds], prepared=None):
+    """``core`` (``stage.walk_core``) of the stage's ``walk_view``, kept per what it reads:
+    the spec, workload, micro-batches, stage, schedule, the layout's pipeline and whether it
+    offloads activations or shards gradients, the stage terms and kinds (by identity: both
+    come from this module's caches, and each entry holds them) and the view. ``prepared``:
+    the walk inputs ``stage.backward_floor`` made for the same stage, used on a miss."""
+    fx, kinds = parts
+    view = walk_view(fx)
+    key = (spec, wl, m, stage, schedule, par.pp, par.vpp, par.vpp_group,
+           Offload.ACTIVATIONS in par.offload, par.zero >= ZeroStage.GRADIENTS,
+           id(shared), id(kinds), view)
+    hit = _walks.get(key)
+    if hit is not None:
+        return hit[0]
+    result = core(spec, par, wl, m, stage, schedule, shared, (view, kinds), prepared)
+    if len(_walks) >= WALKS_MAX:
+        del _walks[next(iter(_walks))]
+    _walks[key] = (result, shared, kinds)  # (holding both: their ids stay theirs)
+    return result

@@ -295,13 +295,29 @@ def _prepare(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: 
                     stage_buffers(wl, par, m, stage, flight, shared.dm.stream(spec.hidden_size)))
 
 
-def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
-               schedule: Schedule, shared: StageTerms,
-               parts: tuple[StageStates, StageKinds], *,
-               prepared: Prepared | None = None) -> Walked:
-    """Phase peaks of pipeline stage ``stage`` with ``m`` micro-batches per step, in step 1
-    and in the steady state, without its record. ``prepared``: this configuration's walk
-    inputs as ``backward_floor`` made them (the same ``shared`` and ``parts``)."""
+class WalkCore(NamedTuple):
+    """What ``walk_stage`` derives from a stage's activations and gradients, apart from its
+    optimizer's states (``memo.stage_walk`` shares it between layouts that differ only in
+    those): the stage's states as walked (changed where gradients accumulate unsharded),
+    its walk inputs, the walk with a deferred weight gradient, its gradients and forward
+    peaks, and step 1's where its mechanism differs (None: the same)."""
+
+    fx: StageStates
+    accumulating: bool
+    prepared: Prepared
+    walk: Walk
+    dfr: Deferred
+    grads: tuple[int, int, int, int]
+    forward: Callable[[bool], int]
+    first: tuple[tuple[int, int, int, int], Callable[[bool], int]] | None
+
+
+def walk_core(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
+              schedule: Schedule, shared: StageTerms, parts: tuple[StageStates, StageKinds],
+              prepared: Prepared | None = None) -> WalkCore:
+    """``walk_stage``'s walk (``WalkCore``). It reads of ``par`` only pp, vpp, vpp_group,
+    whether activations are offloaded and whether ZeRO shards gradients, and of the stage's
+    states none of its optimizer's (``memo.walk_view``)."""
     fx, kinds = parts
     # gradients accumulated unsharded without a sync (``memplan.model.grad_sync``): the
     # walk's gradients are the stage's accumulators, in the reduce dtype
@@ -311,25 +327,41 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         reduce = last_reduce(fx.dp, fx.shard.grad_bytes, wl)
         fx = fx._replace(grad_per_param=exact_ratio(fx.accum_bytes, max(fx.params.total, 1)),
                          dp=unsynced(fx.dp, root_new))
-    st = fx.states
     if prepared is None or accumulating:  # (accumulating: fx changed above)
         prepared = _prepare(spec, par, wl, m, stage, schedule, shared, (fx, kinds))
-    shared, host_rope, flight, entries, _, pipe = prepared
-    walk, activations, one_mb = prepared.walk
+    shared, host_rope, flight, entries, (walk, _, _), _ = prepared
     # the output layer's deferred weight gradient (``memplan.model.deferred_wgrad``)
     dfr = deferred(spec, wl, shared.dm, m, flight[-1]) if fx.last else NO_DEFERRAL
     walk = _with_deferred(walk, dfr, fx.main_grads)
     if accumulating:
         walk = with_new_grads(walk, ratio, fresh)
-        grads = accumulated_gradients(walk, st, fx.accum_bytes, reduce, wl.keep_grads)
+        grads = accumulated_gradients(walk, fx.states, fx.accum_bytes, reduce, wl.keep_grads)
     else:
         grads = _gradients(wl, fx, walk, m)
-    grads, last_step = _in_backward(spec, par, wl, shared, (fx, kinds), flight, grads, walk)
     forward = _forward(shared, fx, walk, dfr.before_forward - dfr.before_backward + host_rope)
-    grads1, forward1 = (_first_step_walk(spec, par, wl, shared, (fx, kinds, entries), flight,
-                                         m, host_rope)
-                        if fx.shard.first_step is not None and not accumulating
-                        else (grads, forward))
+    first = (_first_step_walk(spec, par, wl, shared, (fx, kinds, entries), flight, m, host_rope)
+             if fx.shard.first_step is not None and not accumulating else None)
+    return WalkCore(fx, accumulating, prepared, walk, dfr, grads, forward, first)
+
+
+def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
+               schedule: Schedule, shared: StageTerms,
+               parts: tuple[StageStates, StageKinds], *,
+               prepared: Prepared | None = None) -> Walked:
+    """Phase peaks of pipeline stage ``stage`` with ``m`` micro-batches per step, in step 1
+    and in the steady state, without its record. ``prepared``: this configuration's walk
+    inputs as ``backward_floor`` made them (the same ``shared`` and ``parts``)."""
+    fx, kinds = parts
+    core = memo.stage_walk(walk_core, spec, par, wl, m, stage, schedule, shared, parts,
+                           prepared)
+    if core.accumulating:
+        fx = fx._replace(grad_per_param=core.fx.grad_per_param, dp=core.fx.dp)
+    st = fx.states
+    shared, host_rope, flight, entries, (_, activations, one_mb), pipe = core.prepared
+    walk, dfr, forward = core.walk, core.dfr, core.forward
+    grads, last_step = _in_backward(spec, par, wl, shared, (fx, kinds), flight, core.grads,
+                                    walk)
+    grads1, forward1 = core.first or (grads, forward)
     base = st.params_bytes + fx.buckets + fx.buffers
     optimizer, optimizer_first = _optimizer_peaks(walk.head, fx)
     held = walk.head.held_logits  # logits the loop holds from the loss on (its drain's too)
