@@ -48,6 +48,7 @@ from benchmarks.bench_estimate import (  # noqa: E402  (after the path set-up)
     child_env,
     cli_command,
     core_step,
+    first_pass,
     grid,
     machine_info,
     rate,
