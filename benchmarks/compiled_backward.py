@@ -25,6 +25,12 @@ GPU backend launches them) and set beside memplan's layer: its forward peak and 
 backward moment with the gradients made by then, less one residual-stream tensor (the
 comparison ``test_compiled_layer_phase_peaks`` makes: memplan counts the layer's input and the
 incoming gradient, the trace the held output in their place).
+
+The float8 cases (a seventh field: torchao's recipe, ``--float8`` runs them alone; torchao
+installed) convert the block's linears as torchtitan's float8 converter does. On CPU
+``aten::_scaled_mm`` runs emulated, with fp32 copies of both float8 operands inside the call;
+the trace counts each call as its output alone, as a GPU's cuBLASLt kernel allocates it
+(``compiled_trace._scaled_mm_whole``).
 """
 
 from __future__ import annotations
@@ -71,11 +77,28 @@ CASES = [  # (library: torchtitan, transformers (Llama), olmo2 or gemma2, fused 
     ("gemma2", False, "bfloat16", "none", 2, 1024),
     ("gemma2", False, "bfloat16", "full", 2, 256),
     ("gemma2", False, "bfloat16", "full", 2, 1024),
+    # torchao's Float8Linear on the block's linears (torchtitan's float8 converter:
+    # ``frameworks._float8``), tensorwise or rowwise scaling, torchao 0.18.0; a seventh field
+    ("torchtitan", True, "bfloat16", "none", 2, 64, "tensorwise"),
+    ("torchtitan", True, "bfloat16", "none", 2, 64, "rowwise"),
+    ("torchtitan", False, "bfloat16", "none", 2, 64, "tensorwise"),
+    ("torchtitan", False, "bfloat16", "none", 2, 64, "rowwise"),
+    ("torchtitan", True, "bfloat16", "full", 2, 64, "tensorwise"),
+    ("torchtitan", True, "bfloat16", "full", 2, 64, "rowwise"),
+    ("torchtitan", True, "bfloat16", "op", 2, 64, "tensorwise"),
+    ("torchtitan", True, "bfloat16", "op", 2, 64, "rowwise"),
+    ("torchtitan", True, "bfloat16", "none", 2, 1024, "tensorwise"),
+    ("torchtitan", True, "bfloat16", "none", 2, 1024, "rowwise"),
+    ("torchtitan", False, "bfloat16", "none", 2, 1024, "tensorwise"),
+    ("torchtitan", True, "bfloat16", "full", 2, 1024, "tensorwise"),
+    ("torchtitan", True, "bfloat16", "full", 2, 1024, "rowwise"),
+    ("torchtitan", True, "bfloat16", "op", 2, 1024, "tensorwise"),
+    ("torchtitan", True, "bfloat16", "op", 2, 1024, "rowwise"),
 ]
 
 
 def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: int,
-                  seq: int) -> tuple[int, int]:
+                  seq: int, float8: str = "none") -> tuple[int, int]:
     """memplan's (forward peak, backward peak) of the layer, each less one stream tensor."""
     from hf_configs import GEMMA2_TOY, LLAMA3_TOY, OLMO2_TOY, hf
 
@@ -98,7 +121,7 @@ def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch:
         from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
 
         spec = torchtitan_spec(torchtitan_config(**TITAN, seq_len=seq, fuse_qkv=fused), "toy")
-        extra = {"rope_cache": "layer", "selective_impl": "op"}
+        extra = {"rope_cache": "layer", "selective_impl": "op", "float8": float8}
     wl = Workload(micro_batch_size=batch, seq_len=seq, precision=precision,
                   recompute=recompute, compile=True, **extra)
     dm = Dims.of(spec, ParallelConfig(), wl)
@@ -115,7 +138,7 @@ def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch:
 
 
 def traced_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: int,
-                 seq: int, gpu_realize: bool = True) -> tuple[int, int]:
+                 seq: int, float8: str = "none", gpu_realize: bool = True) -> tuple[int, int]:
     """The traced (forward peak, backward peak), by default with Inductor's GPU realization
     rules (``gpu_realize``)."""
     from hf_configs import GEMMA2_TOY, LLAMA3_TOY, OLMO2_TOY, hf
@@ -125,7 +148,7 @@ def traced_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: 
     config = (hf("Meta-Llama-3-8B", **LLAMA3_TOY) if library == "transformers"
               else hf("OLMo-2-1124-7B", **OLMO2_TOY) if library == "olmo2"
               else hf("gemma-2-9b", **GEMMA2_TOY) if library == "gemma2"
-              else {"torchtitan": dict(TITAN, fuse_qkv=fused)})
+              else {"torchtitan": dict(TITAN, fuse_qkv=fused, float8=float8)})
     weights, autocast = ("float32", "bfloat16") if dtype == "amp-bf16" else (dtype, None)
     _, forward, backward = compiled_layer_step(
         config, weights, batch, seq, autocast, checkpoint, gpu_realize=gpu_realize)
@@ -135,6 +158,8 @@ def traced_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", type=Path, help="store the rows as JSON")
+    parser.add_argument("--float8", action="store_true",
+                        help="the float8 cases alone (torchao installed)")
     parser.add_argument("--stored", type=Path,
                         help="read the traced peaks from this file (written by --write with the "
                              "same torch) instead of tracing again; memplan's are computed")
@@ -143,20 +168,25 @@ def main() -> int:
               if args.stored else {})
     rows = []
     for case in CASES:
+        if args.float8 and len(case) < 7:
+            continue
         row = stored.get(case)
         traced = ((row["traced_forward_bytes"], row["traced_backward_bytes"]) if row
                   else traced_peaks(*case))
         cpu = ((row["cpu_traced_forward_bytes"], row["cpu_traced_backward_bytes"]) if row
                else traced_peaks(*case, gpu_realize=False))
         model = memplan_peaks(*case)
-        library, fused, dtype, checkpoint, batch, seq = case
+        library, fused, dtype, checkpoint, batch, seq, float8 = (*case, "none")[:7]
         row = {"library": library, "fused_qkv": fused, "dtype": dtype, "checkpoint": checkpoint,
-               "batch": batch, "seq": seq, "traced_forward_bytes": traced[0],
+               "batch": batch, "seq": seq, **({"float8": float8} if float8 != "none" else {}),
+               "traced_forward_bytes": traced[0],
                "memplan_forward_bytes": model[0], "traced_backward_bytes": traced[1],
                "memplan_backward_bytes": model[1], "cpu_traced_forward_bytes": cpu[0],
                "cpu_traced_backward_bytes": cpu[1]}
         rows.append(row)
-        print(f"{library:12s} {checkpoint:4s} {batch} x {seq:5d} {dtype}: forward (B) "
+        print(f"{library:12s} {checkpoint:4s} {batch} x {seq:5d} {dtype}"
+              f"{'' if float8 == 'none' else ' float8 ' + float8}"
+              f"{'' if fused else ' q/k/v'}: forward (B) "
               f"{model[0]:,} vs {traced[0]:,} ({model[0] / traced[0] - 1:+.2%}), backward "
               f"{model[1]:,} vs {traced[1]:,} ({model[1] / traced[1] - 1:+.2%}); CPU rules "
               f"{cpu[0]:,} / {cpu[1]:,}", flush=True)
@@ -171,8 +201,9 @@ def main() -> int:
 
 
 def _key(row: dict) -> tuple:
-    return (row["library"], row["fused_qkv"], row["dtype"], row["checkpoint"], row["batch"],
-            row["seq"])
+    key = (row["library"], row["fused_qkv"], row["dtype"], row["checkpoint"], row["batch"],
+           row["seq"])
+    return key + ((row["float8"],) if "float8" in row else ())
 
 
 if __name__ == "__main__":

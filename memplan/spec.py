@@ -324,6 +324,13 @@ class MambaSpec(Record):
         "the scan's output through a gated RMSNorm of d (GraniteMoeHybridRMSNormGated); "
         "false: gated by silu(gate) alone, no norm, no weight (Falcon-H1 with mamba_rms_norm "
         "false: FalconH1Mixer.torch_forward, y * silu(gate))"))
+    norm_before_gate: bool = Field(default=False, description=(
+        "the gated norm normalises the scan's output before gating it, norm(y) * "
+        "silu(gate) (Falcon-H1's mamba_norm_before_gate: FalconH1RMSNormGated.forward, "
+        "transformers 5.3, whose FalconH1Config defaults it true; every published Falcon-H1 "
+        "config false); false: norm(y * silu(gate)), as GraniteMoeHybridRMSNormGated always "
+        "runs it; the same saved sizes either way (memplan.model.mamba), the op order of "
+        "memplan.model.sac_falcon; meaningless without gated_norm"))
     parallel_attention: bool = Field(default=False, description=(
         "every layer runs the mixer and an attention side by side on its input norm's "
         "output and adds their outputs (Falcon-H1: models/falcon_h1/modeling_falcon_h1.py "

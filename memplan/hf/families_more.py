@@ -315,8 +315,8 @@ def falcon_h1(cfg: ConfigKeys) -> dict[str, Any]:
     d / heads), 1 group, state 256, conv 4 with bias, chunks of 256; in_proj's bias
     mamba_proj_bias (false), out_proj's projectors_bias (false); the gated FalconH1RMSNormGated
     over mamba_n_groups groups with mamba_rms_norm (default false; ``MambaSpec.gated_norm``,
-    memplan.model.mamba: before or after the gate, mamba_norm_before_gate, the same sizes;
-    false: y * silu(gate)). The muP
+    memplan.model.mamba: before or after the gate, mamba_norm_before_gate (default true,
+    ``MambaSpec.norm_before_gate``), the same sizes; false: y * silu(gate)). The muP
     multipliers are scalars but mup_vector, a buffer (``MambaSpec.parallel_attention``).
     Its cache follows the mixer's kernel (``memplan.model.layer.kv_cache_bytes``): 5.3's
     FalconH1Model.forward makes none unless given one, 5.23's a DynamicCache with use_cache."""
@@ -341,6 +341,7 @@ def falcon_h1(cfg: ConfigKeys) -> dict[str, Any]:
                          "proj_bias": cfg.get_bool("mamba_proj_bias", False),
                          "out_proj_bias": cfg.get_bool("projectors_bias", False),
                          "gated_norm": cfg.get_bool("mamba_rms_norm", False),
+                         "norm_before_gate": cfg.get_bool("mamba_norm_before_gate", True),
                          "parallel_attention": True,
                          "attention_layers": tuple(range(num_layers))})
     return fields

@@ -23,7 +23,8 @@ is one tensor, made after its saved terms; a moment's gradients in flight one te
 data-parallel mechanism's instants one tensor each on the compute stream; tensors of a
 parameter group take the group's bytes in proportion to their elements; a pipeline runtime's
 kept outputs and input gradients (``pipeline_buffers.StageBuffers.in_step``) are not replayed,
-only its receive buffers. Its own tensor peak is
+only its receive buffers and the last stage's output of the micro-batch replayed (``HeadBlock.
+pipe_output``). Its own tensor peak is
 returned beside the replay, so the allocator's bytes beyond live tensors (rounding, split
 remainders, cached free blocks) are read from the replay and the tensor peak from the walk.
 
@@ -237,6 +238,7 @@ class _Run:
         self.grads: list[int | None] = []
         self.logits: list[int | None] = []
         self.embeds: int | None = None  # the model's forward's inputs_embeds (HeadBlock's)
+        self.output: int | None = None  # a pipeline's last stage output (``pipe_output``)
         self.states_made = False
 
 
@@ -337,8 +339,14 @@ def _head_forward(r: _Run, steady: bool, acts: Stack) -> None:
                 b.free(r.logits.pop())
         elif ev.name == "loop.logits_kept":
             r.logits.append(b.alloc(ev.delta))
+        elif ev.name == "pipeline.output_released":
+            b.free(r.output)
+            r.output = None
         elif ev.transient:
             b.blip(ev.transient - h.saved_bytes, r.s.logits_piece)
+    # kept from its loss through its backward, until the next forward's (or the step's end)
+    b.free(r.output)
+    r.output = b.alloc(h.pipe_output)
 
 
 def _layer_grads(r: _Run, elements: tuple[int, ...], total: int) -> list[int]:
@@ -545,6 +553,8 @@ def stage_sequence(s: StageInputs, caps: tuple[int, ...] | None = None) -> Build
             growing = mb == 0 and not s.persistent_grads and not (s.keep_grads and step > 1)
             _backward(r, acts, growing)
             acts.clear()
+        r.b.free(r.output)  # the schedule's step() returned
+        r.output = None
         _optimizer(r, step == 1)
         r.b.mark()
     return r.b

@@ -233,8 +233,19 @@ def checkpointed_mlp_working_bytes(spec: ModelSpec, dm: Dims,
     the output projection's output, which the residual sums are recomputed from, the MLP
     norm's output, gate and up), as ``autocast_checkpointed_forward_bytes`` under autocast
     less its down-weight cast. None elsewhere: under autocast (that function), a fused
-    gate/up projection, an activation formula of several ops (gelu_new, xIELU), float8
-    linears or adapters (untraced)."""
+    gate/up projection, an activation formula of several ops (gelu_new, xIELU), or adapters
+    (untraced). With torchao's ``Float8Linear``s (``float8_gate_held``) the kernel writes
+    the product's float8 cast for the down projection (``hp_tensor_to_float8_dynamic`` fused
+    in: T x f / t float8 and its scales) and no bf16 product, beside gate and up (traced:
+    benchmarks/compiled_backward.py, torchtitan's block, torchao 0.18.0, full recompute at
+    2 x 1,024 tokens, tensorwise 8,917,956 B: memplan 5,060 B under, the CPU generator's
+    state and a scale; eager's three T x f counted before, +17.6%)."""
+    if float8_gate_held(spec, dm, linears) and linear.float8_converts(linears[-1], dm):
+        # the product's kernel writes its float8 cast for the down projection alone
+        elements = dm.tokens * spec.ffn_hidden_size // dm.tp
+        scales = dm.tokens if dm.float8 is Float8Recipe.ROWWISE else 1
+        return (2 * elements * dm.e + elements * linear.FLOAT8_BYTES
+                + scales * linear.FLOAT8_SCALE_BYTES)
     if not _plain_gated(spec, dm) or any(linear.float8_converts(lin, dm) for lin in linears):
         return None
     return 2 * dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
@@ -852,6 +863,72 @@ def float8_recomputed(readers: Sequence[linear.Linear], dm: Dims) -> bool:
     also reads (SDPA's output, the output projection's input) stays saved."""
     return (dm.compiled and dm.float8 is not Float8Recipe.NONE and bool(readers)
             and all(linear.float8_converts(lin, dm) for lin in readers))
+
+
+def float8_input_fused(readers: Sequence[linear.Linear], dm: Dims) -> bool:
+    """Compiled with torchao's ``Float8Linear``s on a single rank, the checkpoint inside the
+    graph (its forward saves nothing): whether a norm's output that only ``readers`` read is
+    no buffer of its own. Each reader casts its input (``hp_tensor_to_float8_dynamic``:
+    an amax, then the scaled cast), both pointwise of the norm, which Inductor inlines into
+    the amax's reduction and the cast's kernel (torch/_inductor/ir.py ``StorageBox.
+    should_realize_on_reuse``: no heavy op, on a GPU's rules) and never writes. Traced:
+    benchmarks/compiled_backward.py, torchtitan's block, torchao 0.18.0, tensorwise and
+    rowwise, full recompute at 2 x 64 tokens: at up's matmul the output projection's output
+    and the input's float8 cast, gate's output, up's weight cast and output, no norm output
+    (memplan one T x h over before)."""
+    return float8_recomputed(readers, dm) and not dm.float8_tp
+
+
+def float8_gate_held(spec: ModelSpec, dm: Dims, linears: Sequence[linear.Linear]) -> bool:
+    """Compiled with torchao's ``Float8Linear``s on a gated MLP's own gate and up projections
+    (``linears``: ``mlp.mlp_linears``): its checkpointed forward peaks at up's matmul beside
+    the gate's output (``mlp._float8_forward``'s ``mlp_f8_up``), the very tensor per-op SAC
+    keeps (``layer.layer_kind``; traced: torchtitan's block, torchao 0.18.0, 2 x 64 tokens,
+    tensorwise and rowwise: one T x f over before)."""
+    return (_gated_kernel(spec, dm) and not dm.autocast
+            and all(linear.float8_converts(lin, dm) for lin in linears[:-1]))
+
+
+def float8_swiglu_casts(spec: ModelSpec, dm: Dims, linears: Sequence[linear.Linear],
+                        saved: int) -> list[BackwardMoment]:
+    """Compiled with torchao's ``Float8Linear``s on a SwiGLU MLP's own gate and up
+    projections (``linears``: ``mlp.mlp_linears``), the moment after the down
+    projection's grad-input ``_scaled_mm`` where Inductor's kernels recompute the
+    activation's backward from the saved gate and up outputs and the product's gradient
+    (T x f, kept) to feed the float8 casts of gate's and up's output gradients
+    (``matmul_with_hp_or_float8_args.backward``: ``grad_output_reshaped_maybe_fp8_dim0`` for
+    the input's gradient, ``..._dim1`` for the weight's), beside the block's saved set.
+    Traced: benchmarks/compiled_backward.py, torchtitan's block, torchao 0.18.0, 2 x 1,024
+    tokens (memplan's eager moments were 6.6% and 22.6% under):
+
+    - tensorwise (one scale, from a full reduction): the casts are pointwise of the
+      recomputed gradients, which are never written: two kernels write the four T x f float8
+      casts (``..._silu_silu_backward_t_view_6`` and ``_8``), the down weight's gradient made
+      between them (``_scaled_mm`` of the product's dim-1 cast, freed after it): at the
+      second's end the product's gradient, the four casts and that weight gradient
+      (20,922,396 B traced, memplan 18 B over: the scalars).
+    - rowwise (``axiswise_dim``: a scale per row for dim 0, per column for dim 1, two
+      reductions along different axes that no one kernel makes): the first kernel
+      (``..._silu_silu_backward_t_view_11``) writes the product's float8 cast for the down
+      weight's gradient, up's output gradient (bf16) and gate's (fp32: ``silu_backward``'s
+      upcast result, read again by the column amax's kernel and the casts') and the two
+      row amaxes, beside the product's gradient and the incoming gradient's row amax:
+      4.5 T x f x 2 B, before any weight gradient (25,266,180 B traced, memplan 6,148 B
+      under: the weights' amaxes, hoisted to the backward's start).
+    Rebuilt (full recompute, per-op SAC: the checkpoint inside the graph) the same kernels
+    beside the rebuilt set, which holds more there, not modelled (2 x 1,024: tensorwise
+    full 21,512,222 B traced, memplan 2.7% under, per-op SAC 3.5%; rowwise 3.8% and 8.5%).
+    None unconverted, tensor-parallel (untraced) or another MLP."""
+    if not (spec.mlp is MlpKind.SWIGLU and not dm.float8_tp
+            and float8_gate_held(spec, dm, linears)):
+        return []
+    elements = dm.tokens * spec.ffn_hidden_size // dm.tp
+    if dm.float8 is Float8Recipe.TENSORWISE:
+        casts = 4 * (elements * linear.FLOAT8_BYTES + linear.FLOAT8_SCALE_BYTES)
+        return [BackwardMoment("mlp_f8_act", saved, elements * dm.e + casts, ("mlp_out",))]
+    amaxes = 3 * dm.tokens * dm.e  # bf16 amaxes per row: the incoming gradient's, gate's, up's
+    return [BackwardMoment("mlp_f8_act", saved, 2 * elements * dm.e + elements * FP32_BYTES
+                           + elements * linear.FLOAT8_BYTES + amaxes, ())]
 
 
 def float8_tp_weights(prefix: str, linears: Sequence[linear.Linear], dm: Dims,

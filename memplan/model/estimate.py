@@ -488,9 +488,9 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
 _PIPELINE_BUFFERS_LINE = (
     "pipeline stages as torch.distributed.pipelining's PipelineStage runs them: a receive "
     "buffer per micro-batch for each stage's input and its output's gradient, each output "
-    "kept until its backward (memplan.model.pipeline_buffers); not counted: the last stage's "
-    "logits kept until their backward, the sends an interleaved schedule keeps un-waited to "
-    "the step's end, step 1's metadata inference")
+    "(the last stage's logits too) kept until its backward (memplan.model.pipeline_buffers); "
+    "not counted: the sends an interleaved schedule keeps un-waited to the step's end, step "
+    "1's metadata inference")
 
 
 def _compile_float8_lines(wl: Workload) -> tuple[str, ...]:

@@ -149,8 +149,8 @@ def _sync_moments(walk: Walk, accum: int, reduce_input: int,
                                 for _ in range(min(n, 2))]
     if not kinds:
         return ()
-    # the logits the loop keeps from the loss (``HeadBlock.loop_logits``) too
-    held = walk.rest_saved + walk.other_bytes + walk.head.held_logits + sum(
+    # the logits the loop keeps from the loss (``HeadBlock.backward_held``) too
+    held = walk.rest_saved + walk.other_bytes + walk.head.backward_held() + sum(
         k.saved_bytes * n for k, _, _, n in walk.runs)
     rest = held - kinds[0].saved_bytes
     # after the first block's reshard: the root and the block its backward prefetched

@@ -505,6 +505,11 @@ class HeadBlock(NamedTuple):
     #                            layer too (``ModelSpec.embeds_scaled_copy``)
     mask_released: int = 0  # the attention masks, the model's forward's locals too: alive
     #                         from the stage's start, freed when it returns (``stage._walk``)
+    pipe_output: int = 0  # the last pipeline stage's output (its logits) torch's pipelining
+    #                       holds through the micro-batch's backward, not saved by the loss
+    #                       (``memplan.model.pipeline_buffers``, ``StageBuffers.output``)
+    pipe_previous: int = 0  # ... the previous micro-batch's, alive at a forward until this
+    #                         one's output replaces it, before the loss
 
     @classmethod
     def of(cls, spec: ModelSpec, wl: Workload, dm: Dims,
@@ -646,7 +651,8 @@ class HeadBlock(NamedTuple):
         """The final norm, the logits a loop held from the previous step freed (``steady``:
         from step 2 on), then the loss, beside ``at`` gathered bytes; after it the loop keeps
         the loss's logits (``held_logits``)."""
-        released = Event("loop.logits_released", -self.previous_logits(steady), None)
+        released = Event("loop.logits_released", self.pipe_previous
+                         - self.previous_logits(steady), None)
         return Segment((Event("final_norm.forward", 0, self.final_norm_forward + at),
                         *((Event("loop.inputs_embeds_released", -self.embeds_held, None),)
                           if self.embeds_held else ()),
@@ -654,6 +660,8 @@ class HeadBlock(NamedTuple):
                           if self.mask_released else ()),
                         *((Event("head.lora_forward", 0, self.lora_forward + at),)
                           if self.lora_forward else ()),
+                        *((Event("pipeline.output_released", -self.pipe_previous, None),)
+                          if self.pipe_previous else ()),
                         Event("loss.upcast", 0, self.upcast + at),
                         *(() if self.held_past_loss else (released,)),
                         Event("loss.forward", 0, self.forward_saved + self.loss_forward + at),
@@ -662,8 +670,15 @@ class HeadBlock(NamedTuple):
 
     def previous_logits(self, steady: bool) -> int:
         """The logits (and a held output's cache) the loop still holds from the previous step
-        when a forward starts: from step 2 on (``steady``), until the loss replaces them."""
-        return self.held_logits + self.held_cache if steady else 0
+        when a forward starts: from step 2 on (``steady``), until the loss replaces them; and
+        a pipeline's previous output (``pipe_previous``, in every step), until this one's is
+        made."""
+        return (self.held_logits + self.held_cache if steady else 0) + self.pipe_previous
+
+    def backward_held(self) -> int:
+        """Logits alive beyond what the graph saves through a micro-batch's backward: the
+        loop's (``loop_logits``) and a pipeline's output (``pipe_output``)."""
+        return self.held_logits + self.pipe_output
 
     def step_logits(self) -> Event:
         """What the loop keeps alive through the optimizer step: the logits, and a held

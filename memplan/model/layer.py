@@ -234,8 +234,7 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
             # working set's peaks all but the output projection's (``last_weight``)
             casts = cast_cache_bytes(spec, wl, dm, mixer, recompute)
             working = mixer.working_set(spec, wl, dm)
-            # the mixer's input: its norm's output, or the stream (Olmo2DecoderLayer.forward)
-            mixer_in = 0 if isinstance(norm, StreamInput) else stream
+            mixer_in = _mixer_input_bytes(spec, dm, norm, stream)
             out += [ForwardMoment(m.name, held + cast + mixer_in + m.transient_bytes, 0,
                                   mixer.name)
                     for m, cast in zip(working, _casts_so_far(spec, wl, dm, mixer, casts),
@@ -271,6 +270,18 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
                 for m in block.forward_moments(spec, wl, dm, recompute)]
         prior += total(saved[i] if saved else block.saved(spec, wl, dm, recompute))
     return out
+
+
+def _mixer_input_bytes(spec: ModelSpec, dm: Dims, norm: Block, stream: int) -> int:
+    """A checkpointed forward's mixer input beside its working set: its norm's output, none
+    where it reads the stream itself (Olmo2DecoderLayer.forward) or where, compiled, every
+    reader is a ``Float8Linear`` whose casts Inductor fuses the norm into
+    (``compiled.float8_input_fused``)."""
+    if isinstance(norm, StreamInput) or (
+            isinstance(norm, Norm) and norm.readers is not None
+            and compiled.float8_input_fused(norm.readers(spec), dm)):
+        return 0
+    return stream
 
 
 def _norm_output_beside(spec: ModelSpec, dm: Dims) -> int:
@@ -566,8 +577,10 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         # holds the gate's output, the very tensor the policy keeps (traced: torchtitan's
         # block, 2 x 64 and 2 x 1,024 tokens, benchmarks/compiled_backward.py: one T x f over)
         in_graph = not moe and not compiled.in_checkpoint(wl)
-        gate_held = in_graph and compiled.checkpointed_mlp_working_bytes(
-            spec, dm, mlp_linears(spec, spec.ffn_hidden_size)) is not None
+        linears = mlp_linears(spec, spec.ffn_hidden_size)
+        gate_held = in_graph and (
+            compiled.checkpointed_mlp_working_bytes(spec, dm, linears) is not None
+            or compiled.float8_gate_held(spec, dm, linears))
         late = sum(t.size_bytes for t in kept
                    if t.name == "sac.mlp.w2" or (t.name == "sac.mlp.w1" and gate_held))
         moments = full.moments

@@ -571,6 +571,9 @@ class Mlp:
         if compiled_lora(spec, dm):
             moments.append(compiled.lora_mlp_backward(mlp_linears(spec, spec.ffn_hidden_size),
                                                       dm, total(terms)))
+        if recompute is Recompute.NONE:  # Inductor's float8 kernels (a rerun's too)
+            moments += compiled.float8_swiglu_casts(
+                spec, dm, mlp_linears(spec, spec.ffn_hidden_size), total(terms))
         return moments + _float8_backward(spec, dm, terms)
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:

@@ -23,8 +23,21 @@ stream's itemsize): a stage's input and output, and their gradients, are that te
   (``forward_one_chunk``, ``backward_one_chunk`` pops it and holds it through
   ``stage_backward``): on a stage with a next stage, ``f`` outputs of ``b`` at a backward,
   ``f - 1`` beside a forward (Megatron-LM's schedules free them once sent; the walk counts
-  none). The last stage's outputs (logits) are not counted here; with ``return_outputs=False``
-  (torchtitan) ``output_chunks`` stays empty (``save_forward_output``, schedules.py).
+  none). With ``return_outputs=False`` (torchtitan) ``output_chunks`` stays empty
+  (``save_forward_output``, schedules.py).
+- the last stage's output (the logits, in the compute dtype: torchtitan's ``Decoder.forward``
+  returns ``lm_head(h)``, its loss upcasts a copy, components/loss.py ``cross_entropy_loss``)
+  is kept in ``fwd_cache`` too, though the loss saves none of it: at a micro-batch's backward
+  ``backward_one_chunk`` pops it and holds it (``stage_output``) through ``stage_backward``;
+  its ``detach_()`` after it frees nothing, and the schedule's ``output`` local
+  (Schedule1F1B._step_microbatches, ``_PipelineScheduleRuntime._step_microbatches``) keeps it
+  until the next ``forward_one_chunk`` returns its successor, before that one's loss. So with
+  ``f`` in flight on the last chunk: ``f - 1`` outputs in ``fwd_cache`` at every moment of the
+  step (``in_step``), and one more, ``StageBuffers.output``, through each backward and
+  through the next forward (where ``m > 1``) up to its loss (``HeadBlock.pipe_output``,
+  ``pipe_previous``), gone once ``step()`` returns. With virtual stages the ``output`` local
+  may be another chunk's output, which ``fwd_cache`` already counts: counted as the last
+  chunk's (at most one output more than held).
 - the received gradient is the backward's incoming gradient (``_retrieve_recv_grads``), which
   the walk counts through each backward (``memplan.model.layer``'s ``incoming``): ``m - 1``
   buffers beyond it then, ``m`` elsewhere.
@@ -69,6 +82,8 @@ class StageBuffers(NamedTuple):
     tensors: tuple[int, ...] = ()
     in_step: int = 0
     at_step: int = 0
+    output: int = 0  # the last stage's output of the micro-batch at its backward (its head's)
+    previous: int = 0  # ... and of the previous micro-batch at a forward, up to its loss
 
     @property
     def persistent_bytes(self) -> int:
@@ -79,7 +94,8 @@ NO_BUFFERS = StageBuffers()
 
 
 def stage_buffers(wl: Workload, par: ParallelConfig, m: int, stage: int,
-                  flight: tuple[int, ...], stream_bytes: int) -> StageBuffers:
+                  flight: tuple[int, ...], stream_bytes: int,
+                  output_bytes: int = 0) -> StageBuffers:
     """Pipeline rank ``stage``'s buffers with ``m`` micro-batches per step, ``flight[c]`` of
     them in flight on its chunk ``c`` at its peak (``chunks_in_flight``), ``stream_bytes`` one
     micro-batch's stage input (= output, = their gradients) on this rank. Per chunk ``c`` (the
@@ -91,14 +107,20 @@ def stage_buffers(wl: Workload, par: ParallelConfig, m: int, stage: int,
       optimizer step;
     - with a next stage (s < S - 1): ``m`` gradient buffers and the kept outputs:
       ``(m + f - 1) b`` in the step (``m`` and ``f - 1`` at a forward, ``m - 1`` and ``f``
-      at a backward), ``m b`` at the optimizer step.
+      at a backward), ``m b`` at the optimizer step;
+    - the last stage (s = S - 1), ``output_bytes`` its output of one micro-batch (``o``):
+      ``(f - 1) o`` kept in the step, ``o`` more at a backward (``output``) and at a forward
+      but the step's first, up to its loss (``previous``, where ``m > 1``).
     """
     if wl.pipeline_buffers is PipelineBuffers.NONE or par.pp * par.vpp == 1:
         return NO_BUFFERS
     last = par.pp * par.vpp - 1
-    count = in_step = at_step = 0
+    count = in_step = at_step = output = 0
     for c, f in enumerate(flight):
         s = c * par.pp + stage
+        if s == last:
+            in_step += max(f - 1, 0) * output_bytes
+            output = output_bytes
         if s > 0:
             count += m
             in_step += (m - f + 1 if m > f else 0) * stream_bytes
@@ -107,4 +129,5 @@ def stage_buffers(wl: Workload, par: ParallelConfig, m: int, stage: int,
             count += m
             in_step += max(m + f - 1, 0) * stream_bytes
             at_step += m * stream_bytes
-    return StageBuffers((stream_bytes,) * count, in_step, at_step)
+    return StageBuffers((stream_bytes,) * count, in_step, at_step, output,
+                        output if m > 1 else 0)

@@ -10,6 +10,10 @@ models), in execution order with their families and output widths as the emitted
     projected_states * mup_vector                 # mul, W: mamba.in_proj_out
     conv1d, silu, the chunked scan                # Granite 4.0-H's (memplan.model.sac_mamba)
     y * silu(gate)                                # (mamba_rms_norm false) act d, mul d (fp32)
+    norm(y, gate)                                 # (mamba_rms_norm) FalconH1RMSNormGated:
+        gate.to(float32) (copy d, bf16 weights), silu d, y * silu d; + eps (shift 1),
+        rsqrt 1, * rsqrt d / G, weight * d / G: the norm first with mamba_norm_before_gate
+        (``MambaSpec.norm_before_gate``), then the gate's ops and a product d
     out_proj(scan_output.to(dtype))               # copy d (below fp32): mamba.out; mm h
     m = ... * ssm_out_multiplier                  # scale, h
     q_proj(x * attention_in_multiplier)           # scale, h: attn.input_copy; mm
@@ -29,18 +33,21 @@ ssm_in and attention_in copies (what in_proj and q/k/v save) and the gate's scal
 silu saves) are the saved terms, each an item named after its term. Under autocast the two
 input copies are fp32 and saved by no one (each linear saves its own cast): no items there.
 The mixer's items are block "mamba" (its working-set moments run before the attention's:
-``memplan.model.layer._ops_forward``), the group ``mamba`` names them. Not modelled:
-FalconH1RMSNormGated (``mamba_rms_norm``: its op order follows ``mamba_norm_before_gate``,
-which the spec does not hold): ``sac_ops.mamba_refusal``.
+``memplan.model.layer._ops_forward``), the group ``mamba`` names them. The gated norm's ops
+(``_gate_ops``; y is fp32, so its ``.to(float32)`` and ``.to(input_dtype)`` are no ops; pow
+and mean are no ops a policy counts) are counted, never kept, as Granite 4.0-H's
+(``memplan.model.sac_mamba``): the backward needs their saved tensors, rebuilt whatever is
+kept; in fp32 the last product is out_proj's input, the item ``mamba.out`` (d / G wide after
+the norm's weight, d after the gate's product).
 """
 
 from __future__ import annotations
 
 from memplan.model.dims import Dims, Term
-from memplan.model.mamba import sizes
+from memplan.model.mamba import Sizes, sizes
 from memplan.model.sac_mamba import _scan_ops
-from memplan.model.sac_ops import (ACTIVATION, CONV, COPY, MATMUL, NORM, PRODUCT, SCALE, Item,
-                                   _unkept, numbered)
+from memplan.model.sac_ops import (ACTIVATION, CONV, COPY, MATMUL, NORM, PRODUCT, RSQRT, SCALE,
+                                   SHIFT, Item, _unkept, numbered)
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
 from memplan.workload import Workload
@@ -48,12 +55,35 @@ from memplan.workload import Workload
 BLOCK = "mamba"
 
 
+def _gate_ops(z: Sizes, before: bool, low: bool, pure: bool, out: Item) -> list[Item]:
+    """The gate's ops and out_proj's input (module docstring): ``y * silu(gate)``, or
+    FalconH1RMSNormGated's (``before``: normalising first, norm_before_gate), whose norm
+    views y in G groups of d / G (``Sizes.norm_rows`` on this rank): ``+ eps`` and rsqrt 1
+    wide, ``* rsqrt`` and the weight's product d / G; its ``gate.to(float32)`` a copy d where
+    the gate is 16-bit (bf16 weights; under autocast the fp32 ``mup_vector`` product). Below
+    fp32 the last product, then the item ``mamba.out`` (``.to(dtype)``; under autocast
+    autocast's cast, counted, no item); in fp32 the last product is the item."""
+    d, w = z.d, z.d // z.norm_rows
+    gate = [_unkept(COPY, d, BLOCK)] if pure and z.gated else []
+    gate.append(_unkept(ACTIVATION, d, BLOCK))
+    norm = [_unkept(SHIFT, 1, BLOCK), _unkept(RSQRT, 1, BLOCK), _unkept(PRODUCT, w, BLOCK)]
+    if not z.gated:
+        ops, last = gate, d
+    elif before:
+        ops, last = norm + [_unkept(PRODUCT, w, BLOCK)] + gate, d
+    else:
+        ops, last = gate + [_unkept(PRODUCT, d, BLOCK)] + norm, w
+    if not low:
+        return ops + [out._replace(width=last)]
+    return ops + [_unkept(PRODUCT, last, BLOCK), out if pure else _unkept(COPY, d, BLOCK)]
+
+
 def _mixer_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[Item]:
     """torch_forward's ops after the ssm_in copy (module docstring), on one rank: in_proj's
     output T x W x e (2 h W FLOPs a token), its ``mup_vector`` product (the ``in_proj_out``
-    term; W), the conv's and silu's (``sac_mamba.mamba_items``), the scan's, ``y *
-    silu(gate)`` (d, d), out_proj's input T x d x e (below fp32 the cast, else the product;
-    under autocast autocast's cast, no item) and output T x h x e (2 d h)."""
+    term; W), the conv's and silu's (``sac_mamba.mamba_items``), the scan's, the gate's
+    (``_gate_ops``), out_proj's input T x d x e (below fp32 the cast, else the product;
+    under autocast autocast's cast, no item; d) and output T x h x e (2 d h)."""
     assert spec.mamba is not None
     z = sizes(spec.mamba, dm)
     h, t, e = spec.hidden_size, dm.tokens, dm.e
@@ -61,9 +91,6 @@ def _mixer_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[Item]:
     pure = low and not dm.autocast
     out = Item("mamba.out", ("mamba.out",), terms["mamba.out"], float(z.d),
                COPY if low else PRODUCT, z.d, 0, BLOCK, False)
-    gated = [_unkept(ACTIVATION, z.d, BLOCK)] + (
-        [_unkept(PRODUCT, z.d, BLOCK), out if pure else _unkept(COPY, z.d, BLOCK)] if low
-        else [out])
     return [Item("mamba.in_proj", (), t * z.width * e, 2.0 * h * z.width, MATMUL, z.width, 0,
                  BLOCK, True),
             Item("mamba.mup", ("mamba.in_proj_out",), terms["mamba.in_proj_out"],
@@ -71,7 +98,8 @@ def _mixer_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[Item]:
             Item("mamba.conv_out", ("mamba.conv_out",), terms["mamba.conv_out"],
                  2.0 * z.taps * z.conv, CONV, z.conv, 0, BLOCK, True),
             Item("mamba.act", (), t * z.conv * e, float(z.conv), ACTIVATION, z.conv, 0, BLOCK,
-                 False)] + _scan_ops(z.p, z.n, z.h, low, pure) + gated + [
+                 False)] + _scan_ops(z.p, z.n, z.h, low, pure) + _gate_ops(
+        z, spec.mamba.norm_before_gate, low, pure, out) + [
         Item("mamba.out_proj", (), t * h * e, 2.0 * z.d * h, MATMUL, h, 0, BLOCK, False)]
 
 

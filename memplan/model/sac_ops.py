@@ -203,17 +203,16 @@ def mamba_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     ``moe_refusal`` checks as in any MoE layer), or None."""
     m = spec.mamba
     assert m is not None
-    checks = ((m.parallel_attention and m.gated_norm,
-               "Falcon-H1's gated FalconH1RMSNormGated (mamba_rms_norm: its ops' order follows "
-               "mamba_norm_before_gate, which the spec does not hold; modelled without it, "
-               "y * silu(gate): memplan.model.sac_falcon)"),
-              # (a kind's layers are MoE layers or not all alike: ``layer.ops_kinds``)
-              (spec.moe is not None and not searched_moe(spec),
+    # (a kind's layers are MoE layers or not all alike: ``layer.ops_kinds``)
+    checks = ((spec.moe is not None and not searched_moe(spec),
                "Mamba layers with MoE blocks on some layers only"),
               (wl.mamba_kernel.value != "torch",
                f"Mamba layers on mamba_kernel {wl.mamba_kernel.value}"),
               (not m.parallel_attention and not m.gated_norm,
                "Mamba layers without the gated norm"),
+              (not m.parallel_attention and m.gated_norm and m.norm_before_gate,
+               "norm_before_gate outside Falcon-H1's parallel layers (Granite 4.0-H's "
+               "GraniteMoeHybridRMSNormGated gates first)"),
               (not spec.norm_placement.pre_norm, "Mamba layers with post norms"))
     why = next((why for cond, why in checks if cond), None)
     return None if why is None else (

@@ -31,7 +31,7 @@ from memplan.model.compiled import layer_workload as compiled_layer_workload
 from memplan.model.layer import LayerKind, backward_moments, merge_terms, unsaved_stream
 from memplan.model.moments import Segment
 from memplan.model.pipeline import Schedule
-from memplan.model.pipeline_buffers import StageBuffers, stage_buffers
+from memplan.model.pipeline_buffers import NO_BUFFERS, StageBuffers, stage_buffers
 from memplan.model.stage_parts import (
     LayerKey,
     StageKinds,
@@ -290,9 +290,11 @@ def _prepare(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: 
     shared = shared._replace(rope_bytes=0) if host_rope else shared
     flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
     entries = _entries(spec, par, wl, shared, fx, kinds)
+    dm = shared.dm  # the last stage's output: the logits, in the compute dtype
+    pipe = stage_buffers(wl, par, m, stage, flight, dm.stream(spec.hidden_size),
+                         dm.tokens * dm.vocab_shard * dm.e)
     return Prepared(shared, host_rope, flight, entries,
-                    _walk(spec, par, wl, shared, fx, kinds, entries, flight),
-                    stage_buffers(wl, par, m, stage, flight, shared.dm.stream(spec.hidden_size)))
+                    _walk(spec, par, wl, shared, fx, kinds, entries, flight, pipe), pipe)
 
 
 class WalkCore(NamedTuple):
@@ -347,7 +349,8 @@ def walk_core(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage:
         grads = _gradients(wl, fx, walk, m)
     forward = _forward(shared, fx, walk, dfr.before_forward - dfr.before_backward + host_rope)
     first_grads, forward1 = (
-        _first_step_walk(spec, par, wl, shared, (fx, kinds, entries), flight, m, host_rope)
+        _first_step_walk(spec, par, wl, shared, (fx, kinds, entries), flight, m, host_rope,
+                         pipe)
         if fx.shard.first_step is not None and not accumulating else (None, forward))
     return WalkCore((fx.grad_per_param, fx.dp) if accumulating else None, shared, host_rope,
                     flight, entries, activations, one_mb, pipe, walk, dfr, grads, first_grads,
@@ -373,7 +376,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     grads1 = core.first_grads or grads
     base = st.params_bytes + fx.buckets + fx.buffers
     optimizer, optimizer_first = _optimizer_peaks(walk.head, fx)
-    held = walk.head.held_logits  # logits the loop holds from the loss on (its drain's too)
+    held = walk.head.backward_held()  # logits held from the loss on (its drain's too)
 
     def peaks(opt_bytes: int, from_loss: int, steady: bool) -> PhasePeaks:
         in_forward, bwd = grads[2:] if steady else grads1[:2]
@@ -423,13 +426,13 @@ def _host_rope(shared: StageTerms, par: ParallelConfig, kinds: StageKinds) -> in
 
 def _first_step_walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,
                      parts: tuple[StageStates, StageKinds, Entries], flight: tuple[int, ...],
-                     m: int, host_rope: int) -> tuple[tuple[int, int, int, int],
-                                                      Callable[[bool], int]]:
+                     m: int, host_rope: int, pipe: StageBuffers
+                     ) -> tuple[tuple[int, int, int, int], Callable[[bool], int]]:
     """Step 1's gradients and forward where its mechanism differs (``ShardingBuffers.
     first_step``: ZeRO-3's coordinator records its trace then): a walk of its own."""
     fx, kinds, entries = parts
     fx1 = first_step_states(fx, wl)
-    walk1 = _walk(spec, par, wl, shared, fx1, kinds, entries, flight)[0]
+    walk1 = _walk(spec, par, wl, shared, fx1, kinds, entries, flight, pipe)[0]
     return _gradients(wl, fx1, walk1, m), _forward(shared, fx1, walk1, host_rope)
 
 
@@ -438,7 +441,7 @@ def walk_of(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTer
     """The walk's inputs of a walked stage (its runs, head, embedding, mechanism), for readers
     that replay it tensor by tensor (``memplan.model.alloc_sequence``)."""
     return _walk(spec, par, wl, shared, walked.states, walked.kinds, walked.entries,
-                 walked.in_flight)[0]
+                 walked.in_flight, walked.pipe)[0]
 
 
 def _in_backward(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,
@@ -452,7 +455,7 @@ def _in_backward(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: Sta
     if not wl.optimizer_in_backward:
         return grads, 0
     fx, kinds = parts
-    first = _first_step_in_backward(spec, par, wl, shared, fx, kinds, flight)
+    first = _first_step_in_backward(spec, par, wl, shared, fx, kinds, flight, walk.head)
     last = (fx.states.params_bytes + fx.buckets + fx.buffers + fx.states.optimizer_bytes
             + walk.rest_saved + fx.opt_temp)
     return (0, first, *grads[2:]), last
@@ -460,7 +463,7 @@ def _in_backward(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: Sta
 
 def _first_step_in_backward(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                             shared: StageTerms, fx: StageStates, kinds: StageKinds,
-                            flight: tuple[int, ...]) -> int:
+                            flight: tuple[int, ...], head: HeadBlock) -> int:
     """Step 1's backward peak with the optimizer stepped in it (``memplan.model.
     step_in_backward``): each parameter's states are made at its first step, in its hook, so
     they grow through the backward as held gradients do elsewhere: the walk with the states
@@ -469,6 +472,9 @@ def _first_step_in_backward(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     grown = fx._replace(grad_per_param=exact_ratio(states, max(fx.params.total, 1)))
     entries = _entries(spec, par, wl, shared, grown, kinds)
     walk = _walk(spec, par, wl, shared, grown, kinds, entries, flight)[0]
+    # (the pipeline's outputs beside it as in the stage's own walk, ``head``)
+    walk = walk._replace(head=walk.head._replace(pipe_output=head.pipe_output,
+                                                 pipe_previous=head.pipe_previous))
     return backward_peak(walk, 0, states)
 
 
@@ -495,8 +501,9 @@ def _step_peak(step: Segment, alive: int) -> int:
 
 def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,
           fx: StageStates, kinds: StageKinds, entries: Entries,
-          flight: tuple[int, ...]) -> tuple[Walk, int, int]:
-    """The walk's inputs, the saved activations of every micro-batch in flight and of one."""
+          flight: tuple[int, ...], pipe: StageBuffers = NO_BUFFERS) -> tuple[Walk, int, int]:
+    """The walk's inputs, the saved activations of every micro-batch in flight and of one;
+    ``pipe``: the pipeline runtime's buffers (the last stage's output, its head's)."""
     rope_bytes = shared.rope_bytes  # rope tables (and a saved mask): per chunk forward
     embed_bytes = shared.embed_bytes if fx.first else 0
     head_bytes = shared.head_bytes if fx.last else 0
@@ -504,6 +511,8 @@ def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms
     activations, one_mb = _saved(par, kinds, entries, flight, rope_bytes, embed_bytes,
                                  head_bytes)
     head = _head_block(spec, shared, fx)
+    if pipe.output and fx.last:
+        head = head._replace(pipe_output=pipe.output, pipe_previous=pipe.previous)
     if held := embeds_held_bytes(spec, wl, shared.dm, fx, kinds):
         head = head._replace(embeds_held=held, embeds_copy=spec.embeds_scaled_copy)
     if shared.mask and wl.embeds_held and fx.first and fx.last:

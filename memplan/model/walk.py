@@ -181,7 +181,7 @@ def _start_bytes(w: Walk, grads_prior: int) -> tuple[int, int, int, int, int]:
     """``backward_start``'s bytes, in its order (the fold starts from their sum)."""
     return (w.other_bytes, w.rest_saved,
             w.head.saved_bytes + sum(k.saved_bytes * n for k, _, _, n in w.runs),
-            w.head.held_logits, grads_prior)  # (``HeadBlock.loop_logits``)
+            w.head.backward_held(), grads_prior)  # (``HeadBlock.loop_logits``)
 
 
 def _backward_moments(w: Walk, grads_prior: int, grads_total: int) -> list[Segment]:

@@ -480,11 +480,34 @@ def _peaks(config: dict, dtype_name: str, batch: int, seq: int,
     events = prof.profiler.kineto_results.events()
     mark = next(e.start_ns() for e in events if e.name() == "memplan.backward")
     alive = forward = backward = 0
-    for event in sorted((e for e in events if e.name() == "[memory]"),
-                        key=lambda e: e.start_ns()):
-        alive += event.nbytes()
-        if event.start_ns() < mark:
+    for start, nbytes in _scaled_mm_whole(events):
+        alive += nbytes
+        if start < mark:
             forward = max(forward, alive)
         else:
             backward = max(backward, alive)
     return forward, backward
+
+
+def _scaled_mm_whole(events: Any) -> list[tuple[int, int]]:
+    """The profile's memory events as (time, bytes), each ``aten::_scaled_mm`` call one event
+    of its net bytes (its output) at its end. On CPU the op is emulated: it copies both float8
+    operands to fp32 (a transposed one made contiguous first), multiplies in fp32 and casts
+    the result, freeing all of it before it returns (``_scaled_mm_out_cpu_emulated``,
+    aten/src/ATen/native/Blas.cpp, torch 2.13; the 2 x 64 toy's w1: 196,608 + 131,072 +
+    786,432 + 393,216 + 196,608 B inside the call, its 196,608 B output left); a GPU's
+    cuBLASLt kernel allocates the output alone (its workspace, kept per handle, is no step's
+    allocation: ``getCUDABlasLtWorkspace``, aten/src/ATen/cuda/CUDABlas.cpp)."""
+    calls = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
+                   if e.name() == "aten::_scaled_mm")
+    rows: list[tuple[int, int]] = []
+    pending: dict[int, int] = {}
+    for event in sorted((e for e in events if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns()):
+        at = event.start_ns()
+        end = next((stop for begin, stop in calls if begin <= at <= stop), None)
+        if end is None:
+            rows.append((at, event.nbytes()))
+        else:
+            pending[end] = pending.get(end, 0) + event.nbytes()
+    return sorted(rows + list(pending.items()))

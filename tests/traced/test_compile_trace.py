@@ -296,6 +296,85 @@ def test_compiled_float8_layer_under_per_op_sac() -> None:
     assert _traced_activations(config, "bfloat16", "op") - modelled == 30
 
 
+def _float8_peaks(recipe: str, checkpoint: str, seq: int) -> tuple[int, int]:
+    """memplan's (forward peak, backward peak) of torchtitan's compiled float8 block (fused
+    wqkv, bf16), each less one residual-stream tensor, as ``test_compiled_layer_phase_peaks``
+    compares them (benchmarks/compiled_backward.py ``memplan_peaks``)."""
+    from memplan.model.layer import grad_group_params
+
+    recompute = {"none": Recompute.NONE, "full": Recompute.FULL,
+                 "op": Recompute.SELECTIVE}[checkpoint]
+    from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
+
+    spec = torchtitan_spec(torchtitan_config(**TITAN["torchtitan"], seq_len=seq), "toy")
+    wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="bf16-pure",
+                  recompute=recompute, compile=True, rope_cache="layer",
+                  selective_impl="op", float8=recipe)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, recompute)
+    groups = grad_group_params(spec, 1, 1, False)
+    stream = dm.rows * spec.hidden_size * dm.e
+    backward = max(m.alive_bytes + m.transient_bytes
+                   + dm.e * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    return kind.forward_peak_bytes - stream, backward - stream
+
+
+def test_compiled_float8_layer_phase_peaks() -> None:
+    """torchtitan's block (fused wqkv, bf16) with torchao's rowwise Float8Linears, compiled,
+    no recompute, 2 x 256 tokens (T 512, h 256, f 768), traced with Inductor's GPU
+    realization rules, one kernel per scheduler node (``compiled_layer_step``; CPU's
+    ``_scaled_mm`` counted as its output alone: ``compiled_trace._scaled_mm_whole``).
+
+    Forward, 3,365,888 B exact: at the down projection's ``_scaled_mm`` the saved set
+    (2,772,992: four times the 2 x 64 set of ``test_compiled_float8_layer_saves_what_the_
+    partitioner_saves``) less the input (262,144), beside the product's float8 cast T x f
+    393,216 with its row scales 512 x 4, w2's cast 196,608 with 256 x 4, and the output
+    T x h x 2 = 262,144. Backward, memplan 6,315,008 B at Inductor's cast kernel after the
+    down projection's grad-input matmul (``compiled.float8_swiglu_casts``): the saved set
+    beside the product's gradient and up's output gradient (T x f x 2 = 786,432 each),
+    gate's in fp32 (1,572,864), the product's float8 cast (393,216) and three bf16 row
+    amaxes (3 x 512 x 2), the incoming gradient in the held output's place. The trace holds
+    6,148 B more there, the weights' amaxes Inductor hoists to the backward's start (w2's
+    per row 768 x 2, four 256 x 2, the product's and two per-column 768 x 2 + 2 x 256 x 2,
+    a 4 B scale of ones), not modelled: 6,321,156 B (-0.10%). torchao 0.18.0."""
+    pytest.importorskip("torchao.float8")
+    from memplan.profile.compiled_trace import compiled_layer_step
+
+    config = {"torchtitan": dict(TITAN["torchtitan"], float8="rowwise")}
+    _, forward, backward = compiled_layer_step(config, "bfloat16", BATCH, 256,
+                                               gpu_realize=True)
+    assert _float8_peaks("rowwise", "none", 256) == (forward, 6_315_008) == (3_365_888,
+                                                                             6_315_008)
+    assert backward - 6_315_008 == 6_148
+
+
+@pytest.mark.parametrize("recipe,checkpoint,over", [("tensorwise", "full", 5_056),
+                                                    ("rowwise", "op", 0)])
+def test_compiled_float8_checkpointed_forward(recipe: str, checkpoint: str, over: int) -> None:
+    """torchtitan's block (fused wqkv, bf16, torchao's Float8Linears) checkpointed inside the
+    compiled graph, 2 x 64 tokens (T 128, h 256, f 768): the forward peaks at up's matmul.
+
+    Full: the output projection's output (T x h x 2 = 65,536), the MLP norm's float8 cast
+    (T x h + a 4 B scale: 32,772), gate's output (T x f x 2 = 196,608), up's weight cast
+    (196,608 + 4) and up's output (196,608): 688,136 B, no bf16 norm output (Inductor fuses
+    the norm into the casts' kernels: ``compiled.float8_input_fused``; memplan one T x h
+    over before). The trace holds 5,056 B more, the CPU generator's state the checkpoint
+    saves, as without float8. Per-op SAC, rowwise: the same moment (the casts' scales one
+    per row: 128 x 4 for the norm's, 768 x 4 for w3's: 691,712) and the save list's outputs
+    but the gate's, which is that moment's own (``compiled.float8_gate_held``: memplan
+    196,608 over before): the input 65,536, qkv T x 384 x 2 = 98,304, SDPA's output 65,536
+    and logsumexp 4,096 (430,080 less the input and the gate), 859,648 B exact."""
+    pytest.importorskip("torchao.float8")
+    from memplan.profile.compiled_trace import compiled_layer_step
+
+    config = {"torchtitan": dict(TITAN["torchtitan"], float8=recipe)}
+    _, forward, _ = compiled_layer_step(config, "bfloat16", BATCH, SEQ, checkpoint=checkpoint,
+                                        gpu_realize=True)
+    modelled = _float8_peaks(recipe, checkpoint, SEQ)[0]
+    assert modelled == (688_136 if checkpoint == "full" else 859_648)
+    assert forward - modelled == over
+
+
 def _traced_tp_activations(config: dict, checkpoint: str, rows: int) -> int:
     """The saved bytes of a compiled TP block on its rank: what the forward made (not the
     views of the sharded weights, their transposes for backward) and the layer's input."""

@@ -24,6 +24,10 @@ step, steps 1 and 2 alike (``b`` = 2 x 16 x 32 x 4 = 4,096 B, one micro-batch's 
   rebound until the cool-down) keeps its gloo ``Work``, which keeps the tensor it sent. Not
   modelled: whether NCCL's work object keeps it after ``wait()`` was not traced here (no GPU).
 
+With a loss that saves none of the last stage's output (cross-entropy: log-softmax keeps its
+own output), the output is held by the pipeline alone: through its micro-batch's backward and
+the next micro-batch's forward up to its loss (``StageBuffers.output``, ``previous``).
+
 And ``ScheduleInterleaved1F1B`` with two virtual stages a rank: after each step each rank holds
 one set of buffers per virtual stage (``at_step``, 12b).
 """
@@ -67,6 +71,66 @@ def _mse(y: Any, t: Any) -> Any:
     return torch.nn.functional.mse_loss(y, t)
 
 
+def _ce(y: Any, t: Any) -> Any:
+    """A language model's loss on the stack's output as logits over 32 classes: log-softmax
+    saves its output, not its input, so the output is held by the pipeline alone."""
+    return torch.nn.functional.cross_entropy(y.flatten(0, 1), t.flatten(0, 1))
+
+
+def _last_output(rank: int) -> dict[str, int]:
+    """Schedule1F1B with the cross-entropy loss: on the last rank, its bytes beyond weights,
+    gradients and loss scalars as the last layer's forward of micro-batch 1 starts, as
+    micro-batch 1's backward starts, and after each step."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from memplan.profile.tracker import MemoryTracker
+
+    out: dict[str, int] = {}
+    torch.manual_seed(0)
+    tracker = MemoryTracker()
+    with tracker:
+        stage_mod = _stack()
+        stage = PipelineStage(stage_mod, rank, 2, torch.device("cpu"))
+        schedule = Schedule1F1B(stage, n_microbatches=M, loss_fn=_ce)
+        x = torch.randn(M * MBS, SEQ, H)
+        target = torch.randint(0, H, (M * MBS, SEQ))
+        params = list(stage_mod.parameters())
+        before = tracker.total_bytes
+        at = {"mb": -1, "step": 0}
+
+        def beyond() -> int:
+            return (tracker.total_bytes - before - _storage_bytes(p.grad for p in params)
+                    - _storage_bytes(schedule._internal_losses))
+
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+        def at_forward(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            at["mb"] = fwd_chunk_id
+            return forward(fwd_chunk_id, *args, **kwargs)
+
+        def at_backward(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            if bwd_chunk_id == 1:
+                out[f"backward1_step{at['step']}"] = beyond()
+            return backward(bwd_chunk_id, *args, **kwargs)
+
+        def at_last_layer(module: Any, args: Any) -> None:
+            if at["mb"] == 1:
+                out[f"forward1_step{at['step']}"] = beyond()
+
+        stage.forward_one_chunk, stage.backward_one_chunk = at_forward, at_backward
+        stage_mod[2].register_forward_pre_hook(at_last_layer)
+        for step in (1, 2):
+            at.update(step=step, mb=-1)
+            losses: list | None = [] if rank == 1 else None
+            schedule.step(x if rank == 0 else None, target=target if rank == 1 else None,
+                          losses=losses, return_outputs=False)
+            out[f"step{step}"] = (tracker.total_bytes - before
+                                  - _storage_bytes(p.grad for p in params)
+                                  - _storage_bytes(losses or []))
+            del losses
+    return out
+
+
 def _interleaved(rank: int) -> dict[str, int]:
     """ScheduleInterleaved1F1B, two virtual stages a rank (rank r: stages r and r + 2 of 4,
     torchtitan's loop placement): each rank's bytes after each step beyond its weights,
@@ -107,6 +171,7 @@ def _rank(rank: int, folder: str) -> None:
     out: dict[str, Any] = {}
     try:
         out["interleaved"] = _interleaved(rank)
+        out["last_output"] = _last_output(rank)
         torch.manual_seed(0)
         tracker = MemoryTracker()
         with tracker:
@@ -195,3 +260,26 @@ def test_virtual_stages_each_hold_their_own(ranks: list[dict[str, Any]]) -> None
         assert expected == 12 * B == 49_152
         assert (got["interleaved"]["step1"], got["interleaved"]["step2"]) == (expected,
                                                                                 expected), rank
+
+
+def test_last_stage_output_is_held(ranks: list[dict[str, Any]]) -> None:
+    """Schedule1F1B with a cross-entropy loss (``_ce``), the last rank (f = 1, m = 4): as the
+    last layer's forward of micro-batch 1 starts, the walk's input and ReLU output (2b) and
+    ``in_step`` 4b (3 input buffers beyond the saved one, micro-batch 0's input gradient),
+    and micro-batch 0's output ``o`` = b, still the schedule's ``output``
+    (``StageBuffers.previous``): 7b = 28,672 B. As micro-batch 1's backward starts: the walk's
+    input, ReLU output and log-softmax output (3b), ``in_step`` 4b and micro-batch 1's output
+    (``StageBuffers.output``): 8b, and nll_loss's saved total weight (a 4 B scalar). After
+    each step only the 4 input buffers (``at_step``): the output is gone."""
+    par = ParallelConfig(pp=2)
+    wl = Workload(pipeline_buffers=PipelineBuffers.TORCH)
+    pipe = stage_buffers(wl, par, M, 1, tuple(chunks_in_flight(par, M, 1)), B, B)
+    assert (pipe.in_step, pipe.output, pipe.previous, pipe.at_step) == (4 * B, B, B, 4 * B)
+    got = ranks[1]["last_output"]
+    forward = 2 * B + pipe.in_step + pipe.previous
+    backward = 3 * B + pipe.in_step + pipe.output
+    assert (forward, backward) == (28_672, 32_768)
+    for step in (1, 2):
+        assert got[f"forward1_step{step}"] == forward, step
+        assert got[f"backward1_step{step}"] == backward + 4, step
+        assert got[f"step{step}"] == pipe.at_step, step

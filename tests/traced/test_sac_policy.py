@@ -1310,3 +1310,27 @@ def test_emitted_policy_on_falcon_h1(precision: str, seq: int, toy: str, save: s
     _assert_rows_within(result.rows)
     row = result.row("activations_bytes")
     assert row.estimated_bytes == row.measured_bytes, row
+
+
+# Falcon-H1's gated FalconH1RMSNormGated (mamba_rms_norm, every published size but 0.5B) over
+# 2 groups, after the gate as published (mamba_norm_before_gate false) and before it
+# (FalconH1Config's default): memplan.model.sac_falcon._gate_ops. Before, refused
+# ("Falcon-H1's gated FalconH1RMSNormGated").
+FALCON_RMS_GRID = [("bf16-pure", 256, "toy", False, "mamba"),
+                   ("fp32", 200, "toy2", False, "attention,mlp,mamba"),
+                   ("bf16-pure", 200, "toy2", True, "attention,mlp,mamba,norms")]
+
+
+@pytest.mark.parametrize(("precision", "seq", "toy", "before", "save"), FALCON_RMS_GRID,
+                         ids=[f"{p}-{n}-{t}-{b}-{s}" for p, n, t, b, s in FALCON_RMS_GRID])
+def test_emitted_policy_on_falcon_h1_gated_norm(precision: str, seq: int, toy: str,
+                                                before: bool, save: str) -> None:
+    pytest.importorskip("transformers")
+    config = hf("heldout/Falcon-H1-1.5B-Instruct",
+                **{**(FALCON_TOY if toy == "toy" else FALCON_TOY_2), "mamba_n_groups": 2,
+                   "mamba_rms_norm": True, "mamba_norm_before_gate": before})
+    result = compare_framework(_ops_case(config, "falcon-h1-rms-ops-toy", precision, seq, save))
+    assert result.spec.mamba.gated_norm and result.spec.mamba.norm_before_gate is before
+    _assert_rows_within(result.rows)
+    row = result.row("activations_bytes")
+    assert row.estimated_bytes == row.measured_bytes, row

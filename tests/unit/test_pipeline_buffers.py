@@ -65,6 +65,26 @@ def test_virtual_stages_each_their_own() -> None:
     assert (got.in_step, got.at_step) == (14 * B, 12 * B)
 
 
+def test_last_stage_output() -> None:
+    """The last stage's output ``o`` (here 3 x 32,768 B): with f = 1 (Schedule1F1B's last
+    stage) none kept in the step beyond the one held at a backward and at the next forward
+    (m > 1); with m = 1 no next forward; with f = 3 (a last chunk of an interleaved
+    schedule) 2o more in the step. A stage before the last holds none."""
+    o = 3 * B
+    par = ParallelConfig(pp=2)
+    last = stage_buffers(TORCH, par, 4, 1, (1,), B, o)
+    assert (last.in_step, last.output, last.previous) == (4 * B, o, o)
+    alone = stage_buffers(TORCH, par, 1, 1, (1,), B, o)
+    assert (alone.in_step, alone.output, alone.previous) == (0, o, 0)
+    chunked = stage_buffers(TORCH, ParallelConfig(pp=2, vpp=2), 4, 1, (3, 3), B, o)
+    assert (chunked.output, chunked.previous) == (o, o)
+    # chunk 0 (stage 1): input side (4 - 3 + 1)b, output side (4 + 3 - 1)b; chunk 1 (stage 3,
+    # the last): input side 2b and 2o kept
+    assert chunked.in_step == 2 * B + 6 * B + 2 * B + 2 * o
+    first = stage_buffers(TORCH, par, 4, 0, (2,), B, o)
+    assert (first.in_step, first.output, first.previous) == (5 * B, 0, 0)
+
+
 def test_none_and_no_pipeline() -> None:
     """Megatron-LM's schedules (none) and a single stage hold nothing of this."""
     assert stage_buffers(Workload(), ParallelConfig(pp=2), 4, 1, (1,), B) is NO_BUFFERS
@@ -87,9 +107,12 @@ def test_estimate_moves_by_the_buffers() -> None:
     """The tiny spec (h 64, 2 layers: one per stage), torchtitan's preset, pp 2, mbs 2 x seq
     128 in bf16 (b = 32,768 B), gbs 8: m = 4. Each phase of both steps moves by the hand
     figures of ``test_two_stages_one_f_one_b``: stage 0 by 5b in forward and backward and 4b
-    at the optimizer step, stage 1 by 4b and 4b; the record shows 4b of receive buffers."""
+    at the optimizer step, stage 1 by 4b and 4b, and in backward by its output too, the
+    logits 256 tokens x vocabulary 128 x 2 B = 65,536 B, which the loss does not save
+    (``StageBuffers.output``; in forward the previous micro-batch's is freed before the loss,
+    where this stage's forward peaks); the record shows 4b of receive buffers."""
     with_buffers, without = _stages("torch"), _stages("none")
-    moved = {0: (163_840, 163_840, 131_072), 1: (131_072, 131_072, 131_072)}
+    moved = {0: (163_840, 163_840, 131_072), 1: (131_072, 131_072 + 65_536, 131_072)}
     for a, z in zip(with_buffers, without):
         assert a.pipeline_buffers_bytes == 131_072 and z.pipeline_buffers_bytes == 0
         for phases in ("steady", "first_step"):

@@ -32,6 +32,7 @@ are T = 2,048:
 In fp32 out_proj's input is the product ``y * silu(gate)`` itself (T x d x 4 = 12,582,912 B,
 a ``mul`` 1,536 wide); under autocast the two copies are fp32 locals no one saves (each linear
 saves its own cast) and out_proj's input autocast's cast: none of the three is an item.
+The gated FalconH1RMSNormGated (falcon-h1-1.5b-deep): ``test_gated_norm_items_by_hand``.
 """
 
 from __future__ import annotations
@@ -137,11 +138,86 @@ def test_the_scan_reruns_whatever_is_kept() -> None:
     assert ops_rerun_flops(FALCON, wl) > with_norms
 
 
-def test_gated_norm_refused() -> None:
-    """Falcon-H1's FalconH1RMSNormGated (mamba_rms_norm, every published size but 0.5B):
-    its ops' order follows mamba_norm_before_gate, not held by the spec: refused by name."""
-    with pytest.raises(LayoutError, match="mamba_rms_norm"):
-        estimate(load_model("falcon-h1-1.5b-deep"), **KW, recompute="ops")
+DEEP = load_model("falcon-h1-1.5b-deep")
+
+
+def _deep(precision: str, before: bool = False, groups: int = 1) -> dict:
+    """falcon-h1-1.5b-deep's items (``norm_before_gate`` and ``num_groups`` set)."""
+    assert DEEP.mamba is not None
+    spec = DEEP.model_copy(update={"mamba": DEEP.mamba.model_copy(
+        update={"norm_before_gate": before, "num_groups": groups})})
+    wl = make_workload(spec, **{**KW, "precision": precision}, recompute="ops")
+    return {i.name: i for i in ops_items(spec, wl, Dims.of(spec, ParallelConfig(), wl))}
+
+
+def test_gated_norm_items_by_hand() -> None:
+    """falcon-h1-1.5b-deep (mamba_rms_norm, mamba_norm_before_gate false as published): 66
+    layers of h = 1,280; the mixer's 24 heads of 64 (d = 1,536), state 256, 1 group; T =
+    2,048 tokens in bf16. in_proj's output W = 2 d + 2 n + H = 3,072 + 512 + 24 = 3,608
+    wide: T W 2 = 14,778,368 B (its product the same); the conv's C = d + 2 n = 2,048
+    channels: 2 x 2,048 x 1,027 x 2 = 8,413,184 B, silu's T C 2 = 8,388,608; out_proj's input
+    T d 2 = 6,291,456 B, the second ``copy`` 1,536 wide (FalconH1RMSNormGated's
+    ``gate.to(float32)`` the first); its output T h 2 = 5,242,880 B. In fp32 out_proj's
+    input is the norm's weight product T d 4 = 12,582,912 B: after ``y * silu(gate)`` and
+    ``* rsqrt`` the third ``mul`` 1,536 wide; normalising first (norm_before_gate) the
+    product by silu(gate) comes last, again the third. ``* rsqrt`` and the weight's product
+    are d / G wide: over 2 groups 768, the item then the second ``mul`` 768 wide gating
+    last, the first ``mul`` 1,536 wide (silu(gate)'s product) normalising first."""
+    items = _deep("bf16-pure")
+    assert {n: (i.size_bytes, i.op, i.width, i.nth) for n, i in items.items()
+            if n.startswith("mamba.")} == {
+        "mamba.in_proj": (14_778_368, "matmul", 3608, 0),
+        "mamba.mup": (14_778_368, "mul", 3608, 0),
+        "mamba.conv_out": (8_413_184, "conv", 2048, 0),
+        "mamba.act": (8_388_608, "act", 2048, 0),
+        "mamba.out": (6_291_456, "copy", 1536, 1),
+        "mamba.out_proj": (5_242_880, "matmul", 1280, 0)}
+    first = _deep("bf16-pure", before=True)["mamba.out"]
+    assert (first.size_bytes, first.op, first.width, first.nth) == (6_291_456, "copy", 1536, 1)
+    out = {(before, g): _deep("fp32", before, g)["mamba.out"] for before in (False, True)
+           for g in (1, 2)}
+    assert {k: (i.size_bytes, i.op, i.width, i.nth) for k, i in out.items()} == {
+        (False, 1): (12_582_912, "mul", 1536, 2), (True, 1): (12_582_912, "mul", 1536, 2),
+        (False, 2): (12_582_912, "mul", 768, 1), (True, 2): (12_582_912, "mul", 1536, 0)}
+
+
+def test_gated_norm_saved_bytes_and_counts() -> None:
+    """Keeping the mixer adds 14,778,368 x 2 + 8,413,184 + 8,388,608 + 6,291,456 + 5,242,880
+    = 57,892,864 B a layer, times 66; the emitted policy counts a layer's two ``copy`` ops
+    1,536 wide (the gate's cast, out_proj's input), its norm's ``+ eps`` and rsqrt (one row a
+    token, 1 wide) among them."""
+    kw = {**KW, "recompute": "ops"}
+
+    def activations(save: str) -> int:
+        return estimate(DEEP, **kw, recompute_save=save).stages[0].activations_bytes
+
+    assert activations("mamba") - activations("") == 66 * 57_892_864
+    space: dict = {}
+    exec(compile(emit_for("torch", estimate(DEEP, **kw, recompute_save="mamba")),  # noqa: S102
+                 "<policy>", "exec"), space)
+    assert ("copy", 1536, 1) in space["SAVE"] and space["PER_LAYER"][("copy", 1536)] == 2
+
+
+def test_norm_before_gate_read_and_refused_outside_falcon() -> None:
+    """The reader takes mamba_norm_before_gate with FalconH1Config's default (true); the
+    published configs say false (the catalog). Granite 4.0-H's layers set to normalise first
+    are refused by name (GraniteMoeHybridRMSNormGated gates first)."""
+    from test_sac_mamba import GRANITE_H  # noqa: PLC0415 (tests/unit)
+
+    from memplan.hf.config import ConfigKeys
+    from memplan.hf.families_more import falcon_h1
+
+    assert DEEP.mamba is not None and not DEEP.mamba.norm_before_gate
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
+            "intermediate_size": 128, "mamba_d_ssm": 128, "mamba_n_heads": 2}
+    for extra, want in (({}, True), ({"mamba_norm_before_gate": False}, False)):
+        fields = falcon_h1(ConfigKeys({**base, **extra}, "config.json"))
+        assert fields["mamba"]["norm_before_gate"] is want
+    assert GRANITE_H.mamba is not None
+    granite = GRANITE_H.model_copy(update={"mamba": GRANITE_H.mamba.model_copy(
+        update={"norm_before_gate": True})})
+    with pytest.raises(LayoutError, match="norm_before_gate"):
+        estimate(granite, **KW, recompute="ops")
 
 
 def test_plan_searches_save_lists() -> None:

@@ -119,12 +119,10 @@ def test_emitted_policies() -> None:
 
 
 @pytest.mark.parametrize(("model", "options", "why"), [
-    ("falcon-h1-1.5b-deep", {}, "FalconH1RMSNormGated"),
     (None, {"mamba_kernel": "torch-einsum"}, "mamba_kernel torch-einsum")])
 def test_refused(model: str | None, options: dict, why: str) -> None:
-    """Falcon-H1's gated norm (mamba_rms_norm; its ungated layers are modelled:
-    tests/unit/test_sac_falcon.py) and transformers 5.23's einsum scan: not modelled, refused
-    by name."""
+    """transformers 5.23's einsum scan: not modelled, refused by name (Falcon-H1's gated norm,
+    mamba_rms_norm, is modelled: tests/unit/test_sac_falcon.py)."""
     spec = load_model(model) if model else GRANITE_H
     with pytest.raises(LayoutError, match=why):
         estimate(spec, **{**KW, **options}, recompute="ops")
