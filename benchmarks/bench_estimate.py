@@ -16,7 +16,10 @@ What it measures:
 (b) in-process: ``memplan.estimate`` over a grid of configurations (mbs 1..8, tp 1/2/4/8,
     pp 1/2/4, zero 0-3, on llama-7b and llama-3-70b; dp 8), and the lower-level
     ``memplan.model.estimate.estimate`` on pre-built spec / GPU / layout / workload objects, each repeated
-    until ``--seconds`` have passed.
+    until ``--seconds`` have passed; and a first pass over the grid in a fresh interpreter
+    (``first_pass``: the model and GPU catalogs loaded, every other cache empty; median of
+    ``--runs`` interpreters), which a sweep's repeated passes (its per-layout and stage-walk
+    caches warm) do not measure.
 
 Targets:
 
@@ -205,13 +208,59 @@ def headline_step() -> Callable[[], int]:
     return step
 
 
-def bench_inprocess(seconds: float) -> dict[str, Any]:
+FIRST_PASS_CHILD = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import memplan
+from memplan.model import estimate as memory
+from benchmarks.bench_estimate import grid
+configs = grid()
+gpu = memplan.load_gpu("h100-sxm")
+specs = {name: memplan.load_model(name) for name in {cfg["model"] for cfg in configs}}
+if sys.argv[2] == "core":
+    prebuilt = [(specs[cfg["model"]],
+                 memplan.make_layout(cfg["gpus"], tp=cfg["tp"], pp=cfg["pp"], zero=cfg["zero"]),
+                 memplan.make_workload(specs[cfg["model"]],
+                                       micro_batch_size=cfg["micro_batch_size"]))
+                for cfg in configs]
+    start = time.perf_counter()
+    for spec, par, wl in prebuilt:
+        memory.estimate(spec, gpu, par, wl)
+else:
+    start = time.perf_counter()
+    for cfg in configs:
+        memplan.estimate(cfg["model"], gpus=cfg["gpus"], tp=cfg["tp"], pp=cfg["pp"],
+                         zero=cfg["zero"], micro_batch_size=cfg["micro_batch_size"])
+print(json.dumps({"s": time.perf_counter() - start, "estimates": len(configs)}))
+"""
+
+
+def first_pass(runs: int, what: str = "api") -> dict[str, Any]:
+    """The grid estimated once in each of ``runs`` fresh interpreters (``what``: "api",
+    ``memplan.estimate``; "core", the model on inputs built before the clock starts), after
+    the imports and the catalog look-ups: every cache of the estimate empty. The median
+    run's rate."""
+    times = []
+    for _ in range(runs):
+        out = subprocess.run([sys.executable, "-c", FIRST_PASS_CHILD, str(ROOT), what],
+                             cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                             check=True)
+        times.append(json.loads(out.stdout))
+    s = statistics.median(t["s"] for t in times)
+    n = times[0]["estimates"]
+    return {"per_s": n / s, "us_per_estimate": s / n * 1e6, "estimates": n, "seconds": s,
+            "runs": runs}
+
+
+def bench_inprocess(seconds: float, runs: int = 5) -> dict[str, Any]:
     return {
         "configs": len(grid()),
         "memplan.estimate('llama-7b', gpus=64)": rate(headline_step(), seconds),
         "memplan.estimate": rate(api_step(), seconds),
         "memplan.model.estimate.estimate (pre-built inputs)": rate(core_step(), seconds),
         "memplan.estimate + estimate_json + json.dumps": rate(api_json_step(), seconds),
+        "memplan.estimate, first pass (fresh interpreter)": first_pass(runs),
+        "memplan.model.estimate.estimate, first pass": first_pass(runs, "core"),
     }
 
 
@@ -271,7 +320,8 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=10, help="cold CLI runs per command (10)")
+    parser.add_argument("--runs", type=int, default=10,
+                        help="cold CLI runs per command, and interpreters per first pass (10)")
     parser.add_argument("--seconds", type=float, default=2.0,
                         help="time per in-process measurement (2.0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -287,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_cli:
         result["cli"] = bench_cli(args.runs)
     if not args.skip_inprocess:
-        result["inprocess"] = bench_inprocess(args.seconds)
+        result["inprocess"] = bench_inprocess(args.seconds, args.runs)
     if args.json:
         if args.profile:
             result["profile"] = profile(args.seconds, args.top)

@@ -4,6 +4,7 @@ Not a test: run it by hand on an idle machine, from the repository root::
 
     .venv/bin/python benchmarks/speed_doc.py            # measure and rewrite the tables
     .venv/bin/python benchmarks/speed_doc.py --print    # measure and print them only
+    .venv/bin/python benchmarks/speed_doc.py --only in-process  # that table alone
 
 The prose of the doc is written by hand around the tables this script writes between
 ``<!-- table:NAME -->`` and ``<!-- end -->`` markers (wall times vary from run to run, so
@@ -15,8 +16,10 @@ What it measures, each in fresh interpreters where a start is part of the figure
   run alternately; the ratio is the median of the per-pair ratios.
 - ``in-process``: ``memplan.estimate`` over the mixed grid of ``bench_estimate.py`` (768
   configurations), asked again (answered from the result cache) and each configuration once
-  per pass (the result cache cleared before every pass; the per-layout caches stay warm, as in
-  a sweep), and ``memplan.model.estimate.estimate`` on pre-built inputs.
+  per pass (the result cache cleared before every pass; the per-layout and stage-walk caches
+  stay warm, as in a sweep), ``memplan.model.estimate.estimate`` on pre-built inputs, and
+  both as the first pass in a fresh interpreter (``bench_estimate.first_pass``: the catalogs
+  loaded, every cache of the estimate empty; median of ``--runs`` interpreters).
 - ``plan-catalog``: ``memplan.plan`` (``top=10``, the command's default) for every catalog
   model at its natural scale (``natural_gpus``): the first call in a fresh interpreter after
   the imports and the model and GPU lookups (every cache of the search empty), the exact
@@ -45,6 +48,7 @@ from benchmarks.bench_estimate import (  # noqa: E402  (after the path set-up)
     child_env,
     cli_command,
     core_step,
+    first_pass,
     grid,
     machine_info,
     rate,
@@ -55,6 +59,7 @@ MODELS = ROOT / "model_specs" / "models"
 
 # The scale each catalog model is planned at: 8 GPUs (one node) below 15B parameters, 64 below
 # 150B, 2,048 above (DeepSeek-V3 was trained on 2,048 H800s: DeepSeek-AI 2024, section 3.1).
+TABLES = ("cold", "in-process", "plan-catalog")
 NATURAL = ((15e9, 8), (150e9, 64), (float("inf"), 2048))
 
 PLAN_CHILD = """
@@ -98,7 +103,7 @@ def cold(runs: int) -> list[str]:
             f"{med(j / b for j, b in zip(js, base)):.2f}x |"]
 
 
-def in_process(seconds: float) -> list[str]:
+def in_process(seconds: float, runs: int) -> list[str]:
     from memplan.model.estimate import cached_estimate
 
     again = api_step()
@@ -110,7 +115,10 @@ def in_process(seconds: float) -> list[str]:
 
     rows = [("`memplan.estimate`, the grid asked again (result cache)", rate(again, seconds)),
             ("`memplan.estimate`, each configuration once per pass", rate(cleared, seconds)),
-            ("`memplan.model.estimate.estimate` on pre-built inputs", rate(core_step(), seconds))]
+            ("`memplan.model.estimate.estimate` on pre-built inputs", rate(core_step(), seconds)),
+            ("`memplan.estimate`, first pass in a fresh interpreter", first_pass(runs)),
+            ("`memplan.model.estimate.estimate`, first pass in a fresh interpreter",
+             first_pass(runs, "core"))]
     return [f"Grid: {len(grid())} configurations (llama-7b and llama-3-70b, mbs 1-8, tp 1/2/4/8, "
             "pp 1/2/4, ZeRO 0-3, dp 8).", "", "| what | estimates/s | us each |", "|---|---|---|",
             *(f"| {label} | {r['per_s']:,.0f} | {r['us_per_estimate']:.1f} |"
@@ -157,18 +165,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--print", action="store_true", help="print the tables, write nothing")
+    parser.add_argument("--only", action="append", choices=TABLES,
+                        help="measure and write this table alone (repeatable)")
     args = parser.parse_args(argv)
     # bytecode cached, as an installed package has it (with PYTHONDONTWRITEBYTECODE set every
     # cold command would otherwise compile memplan's sources first)
     compileall.compile_dir(str(ROOT / "memplan"), quiet=1)
     info = machine_info()
-    tables = {
-        "machine": [f"{info['python']} on {info['cpu']} ({info['cpus_usable']} usable of "
-                    f"{info['cpu_count']} CPUs)"],
-        "cold": cold(args.runs),
-        "in-process": in_process(args.seconds),
-        "plan-catalog": plan_catalog(args.runs),
+    measure = {
+        "machine": lambda: [f"{info['python']} on {info['cpu']} ({info['cpus_usable']} usable "
+                            f"of {info['cpu_count']} CPUs)"],
+        "cold": lambda: cold(args.runs),
+        "in-process": lambda: in_process(args.seconds, args.runs),
+        "plan-catalog": lambda: plan_catalog(args.runs),
     }
+    tables = {name: make() for name, make in measure.items()
+              if not args.only or name in args.only}
     if args.print:
         for name, lines in tables.items():
             print(f"== {name}\n" + "\n".join(lines) + "\n")

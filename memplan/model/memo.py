@@ -30,7 +30,7 @@ from memplan.model.stage_parts import (
     stage_layer_indices,
 )
 from memplan.model.stage_terms import StageTerms, stage_terms
-from memplan.parallel import ExpertSplit, ParallelConfig, pipeline_only
+from memplan.parallel import ExpertSplit, ParallelConfig, ZeroStage, pipeline_only
 from memplan.spec import ModelSpec
 from memplan.workload import Recompute, Workload
 
@@ -187,3 +187,67 @@ def _per_kind(wl: Workload) -> Workload:
 def _terms_for(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit,
                keys: frozenset[LayerKey]) -> StageTerms:
     return stage_terms(spec, wl, dm, ep, keys, layer_kind, grad_groups)
+
+
+# ``stage.walk_core`` per its inputs, the stage's optimizer states aside: ZeRO 0 and 1 of a
+# layout (and dp sizes that change only the optimizer's shard) walk the same activations
+# and gradients. Bounded: the oldest entry goes first.
+WALKS_MAX = 4096
+_walks: dict = {}
+_views: dict = {}  # id(fx) -> (fx, its walk_view, the view's token): one per stage's states
+_tokens: dict = {}  # a view without its parameter counts -> one equal object (its token)
+_NO_STEP = Segment(())
+_PARAMS = StageStates._fields.index("params")
+
+
+def walk_view(fx: StageStates) -> StageStates:
+    """``fx`` without what only its optimizer's step and states read (``stage.walk_core``
+    reads none of it): the optimizer's bytes, master copy, host and paged shares, the grad
+    scaler, the step's temporaries and segments, the load."""
+    return fx._replace(states=fx.states._replace(optimizer_bytes=0, master_bytes=0,
+                                                 num_optimizer_params=0, host_bytes=0,
+                                                 scaler_bytes=0, setup_bytes=0,
+                                                 paged_bytes=0),
+                       opt_temp=0, step=_NO_STEP, load=0, first_step=None)
+
+
+def _view_of(fx: StageStates) -> tuple[StageStates, tuple]:
+    """``walk_view(fx)`` and its token: one object for equal views less their parameter
+    counts (the key compares those by identity), kept per ``fx`` object (a layout's stages
+    come from ``_all_states``: the same objects for every micro-batch size)."""
+    got = _views.get(id(fx))
+    if got is not None and got[0] is fx:
+        return got[1], got[2]
+    view = walk_view(fx)
+    rest = view[:_PARAMS] + view[_PARAMS + 1:]
+    if len(_tokens) >= WALKS_MAX:
+        _tokens.clear()  # (a token already in a key stays held by its entry)
+    token = _tokens.setdefault(rest, rest)
+    if len(_views) >= WALKS_MAX:
+        del _views[next(iter(_views))]
+    _views[id(fx)] = (fx, view, token)  # (holding fx: its id stays its own)
+    return view, token
+
+
+def stage_walk(core, spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
+               schedule: Schedule, shared: StageTerms,
+               parts: tuple[StageStates, StageKinds], prepared=None):
+    """``core`` (``stage.walk_core``) of the stage's ``walk_view``, kept per what it reads:
+    the spec, workload, micro-batches, stage, schedule, the layout's pipeline, offload and
+    whether ZeRO shards gradients, the stage terms, kinds and parameter counts (by identity:
+    all come from this module's caches, each entry holds them, and hashing the parameter
+    counts' per-tensor tuples would cost more than a small walk) and the rest of the view
+    (its token, ``_view_of``). ``prepared``: the walk inputs ``stage.backward_floor`` made
+    for the same stage, used on a miss."""
+    fx, kinds = parts
+    view, token = _view_of(fx)
+    key = (spec, wl, m, stage, schedule, par.pp, par.vpp, par.vpp_group, par.offload,
+           par.zero >= ZeroStage.GRADIENTS, id(shared), id(kinds), id(fx.params), id(token))
+    hit = _walks.get(key)
+    if hit is not None:
+        return hit[0]
+    result = core(spec, par, wl, m, stage, schedule, shared, (view, kinds), prepared)
+    if len(_walks) >= WALKS_MAX:
+        del _walks[next(iter(_walks))]
+    _walks[key] = (result, shared, kinds, fx.params, token)  # (held: their ids stay theirs)
+    return result

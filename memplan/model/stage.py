@@ -297,13 +297,36 @@ def _prepare(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: 
                     _walk(spec, par, wl, shared, fx, kinds, entries, flight, pipe), pipe)
 
 
-def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
-               schedule: Schedule, shared: StageTerms,
-               parts: tuple[StageStates, StageKinds], *,
-               prepared: Prepared | None = None) -> Walked:
-    """Phase peaks of pipeline stage ``stage`` with ``m`` micro-batches per step, in step 1
-    and in the steady state, without its record. ``prepared``: this configuration's walk
-    inputs as ``backward_floor`` made them (the same ``shared`` and ``parts``)."""
+class WalkCore(NamedTuple):
+    """What ``walk_stage`` derives from a stage's activations and gradients, apart from its
+    optimizer's states (``memo.stage_walk`` keeps it for layouts that differ only in those;
+    plain values where it can, so that a kept entry holds few objects): where gradients
+    accumulate unsharded, the stage's gradient bytes per parameter and mechanism as walked
+    (None elsewhere), the walk's inputs (``Prepared``'s, the walk with a deferred weight
+    gradient), the gradients (steady; step 1's where its mechanism differs, else None) and
+    the forward peaks (steady, step 1)."""
+
+    accumulating: tuple | None  # (grad_per_param, dp)
+    shared: StageTerms
+    host_rope: int
+    flight: tuple[int, ...]
+    entries: Entries
+    activations: int
+    one_mb: int
+    pipe: StageBuffers
+    walk: Walk
+    dfr: Deferred
+    grads: tuple[int, int, int, int]
+    first_grads: tuple[int, int, int, int] | None
+    forward: tuple[int, int]
+
+
+def walk_core(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
+              schedule: Schedule, shared: StageTerms, parts: tuple[StageStates, StageKinds],
+              prepared: Prepared | None = None) -> WalkCore:
+    """``walk_stage``'s walk (``WalkCore``). It reads of ``par`` only pp, vpp, vpp_group,
+    whether activations are offloaded and whether ZeRO shards gradients, and of the stage's
+    states none of its optimizer's (``memo.walk_view``)."""
     fx, kinds = parts
     # gradients accumulated unsharded without a sync (``memplan.model.grad_sync``): the
     # walk's gradients are the stage's accumulators, in the reduce dtype
@@ -313,25 +336,44 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         reduce = last_reduce(fx.dp, fx.shard.grad_bytes, wl)
         fx = fx._replace(grad_per_param=exact_ratio(fx.accum_bytes, max(fx.params.total, 1)),
                          dp=unsynced(fx.dp, root_new))
-    st = fx.states
     if prepared is None or accumulating:  # (accumulating: fx changed above)
         prepared = _prepare(spec, par, wl, m, stage, schedule, shared, (fx, kinds))
-    shared, host_rope, flight, entries, _, pipe = prepared
-    walk, activations, one_mb = prepared.walk
+    shared, host_rope, flight, entries, (walk, activations, one_mb), pipe = prepared
     # the output layer's deferred weight gradient (``memplan.model.deferred_wgrad``)
     dfr = deferred(spec, wl, shared.dm, m, flight[-1]) if fx.last else NO_DEFERRAL
     walk = _with_deferred(walk, dfr, fx.main_grads)
     if accumulating:
         walk = with_new_grads(walk, ratio, fresh)
-        grads = accumulated_gradients(walk, st, fx.accum_bytes, reduce, wl.keep_grads)
+        grads = accumulated_gradients(walk, fx.states, fx.accum_bytes, reduce, wl.keep_grads)
     else:
         grads = _gradients(wl, fx, walk, m)
-    grads, last_step = _in_backward(spec, par, wl, shared, (fx, kinds), flight, grads, walk)
     forward = _forward(shared, fx, walk, dfr.before_forward - dfr.before_backward + host_rope)
-    grads1, forward1 = (_first_step_walk(spec, par, wl, shared, (fx, kinds, entries), flight,
-                                         m, host_rope, pipe)
-                        if fx.shard.first_step is not None and not accumulating
-                        else (grads, forward))
+    first_grads, forward1 = (
+        _first_step_walk(spec, par, wl, shared, (fx, kinds, entries), flight, m, host_rope,
+                         pipe)
+        if fx.shard.first_step is not None and not accumulating else (None, forward))
+    return WalkCore((fx.grad_per_param, fx.dp) if accumulating else None, shared, host_rope,
+                    flight, entries, activations, one_mb, pipe, walk, dfr, grads, first_grads,
+                    (forward(True), forward1(False)))
+
+
+def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
+               schedule: Schedule, shared: StageTerms,
+               parts: tuple[StageStates, StageKinds], *,
+               prepared: Prepared | None = None) -> Walked:
+    """Phase peaks of pipeline stage ``stage`` with ``m`` micro-batches per step, in step 1
+    and in the steady state, without its record. ``prepared``: this configuration's walk
+    inputs as ``backward_floor`` made them (the same ``shared`` and ``parts``)."""
+    fx, kinds = parts
+    core = memo.stage_walk(walk_core, spec, par, wl, m, stage, schedule, shared, parts,
+                           prepared)
+    if core.accumulating:
+        fx = fx._replace(grad_per_param=core.accumulating[0], dp=core.accumulating[1])
+    st = fx.states
+    shared, walk, dfr, pipe = core.shared, core.walk, core.dfr, core.pipe
+    grads, last_step = _in_backward(spec, par, wl, shared, (fx, kinds), core.flight,
+                                    core.grads, walk)
+    grads1 = core.first_grads or grads
     base = st.params_bytes + fx.buckets + fx.buffers
     optimizer, optimizer_first = _optimizer_peaks(walk.head, fx)
     held = walk.head.backward_held()  # logits held from the loss on (its drain's too)
@@ -345,7 +387,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         init = base + opt_bytes + fx.shard.forward_start(steady, st.grads_bytes)
         return PhasePeaks(  # forward, backward, optimizer
             max(base + resident + opt_bytes + in_forward + _outside_walk(shared, walk)
-                + (forward if steady else forward1)(steady) + pipe.in_step,
+                + core.forward[0 if steady else 1] + pipe.in_step,
                 init + pipe.persistent_bytes),
             max(base + resident + opt_bytes + from_loss + bwd + pipe.in_step,
                 after + pipe.at_step if after else 0),
@@ -353,7 +395,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
 
     # Master weights (and bitsandbytes' quantization maps) exist from optimizer setup; a grad
     # scaler's state from step 1's loss; moments appear at step 1's optimizer step.
-    return Walked(fx, kinds, entries, flight, activations, one_mb,
+    return Walked(fx, kinds, core.entries, core.flight, core.activations, core.one_mb,
                   max(walk.head.loss_forward, walk.head.loss),
                   peaks(st.optimizer_bytes, 0, True),
                   peaks(st.master_bytes + st.setup_bytes, st.scaler_bytes, False), pipe)
