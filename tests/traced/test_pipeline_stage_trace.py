@@ -77,10 +77,11 @@ def _ce(y: Any, t: Any) -> Any:
     return torch.nn.functional.cross_entropy(y.flatten(0, 1), t.flatten(0, 1))
 
 
-def _last_output(rank: int) -> dict[str, int]:
-    """Schedule1F1B with the cross-entropy loss: on the last rank, its bytes beyond weights,
-    gradients and loss scalars as the last layer's forward of micro-batch 1 starts, as
-    micro-batch 1's backward starts, and after each step."""
+def _one_f_one_b(rank: int, loss_fn: Any, classes: bool) -> dict[str, int]:
+    """Schedule1F1B over the stack with ``loss_fn`` (``classes``: integer targets over the H
+    outputs, else targets like the output): the rank's bytes beyond weights, gradients and
+    loss scalars as the last layer's forward of micro-batch 1 starts, as micro-batch 1's
+    backward starts, and after each step."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from memplan.profile.tracker import MemoryTracker
@@ -91,9 +92,10 @@ def _last_output(rank: int) -> dict[str, int]:
     with tracker:
         stage_mod = _stack()
         stage = PipelineStage(stage_mod, rank, 2, torch.device("cpu"))
-        schedule = Schedule1F1B(stage, n_microbatches=M, loss_fn=_ce)
+        schedule = Schedule1F1B(stage, n_microbatches=M, loss_fn=loss_fn)
         x = torch.randn(M * MBS, SEQ, H)
-        target = torch.randint(0, H, (M * MBS, SEQ))
+        target = (torch.randint(0, H, (M * MBS, SEQ)) if classes
+                  else torch.randn(M * MBS, SEQ, H))
         params = list(stage_mod.parameters())
         before = tracker.total_bytes
         at = {"mb": -1, "step": 0}
@@ -161,49 +163,15 @@ def _interleaved(rank: int) -> dict[str, int]:
 
 
 def _rank(rank: int, folder: str) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
     from memplan.profile.distributed import leave_rank
-    from memplan.profile.tracker import MemoryTracker
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
                             world_size=2)
     out: dict[str, Any] = {}
     try:
         out["interleaved"] = _interleaved(rank)
-        out["last_output"] = _last_output(rank)
-        torch.manual_seed(0)
-        tracker = MemoryTracker()
-        with tracker:
-            stage_mod = _stack()
-            stage = PipelineStage(stage_mod, rank, 2, torch.device("cpu"))
-            schedule = Schedule1F1B(stage, n_microbatches=M, loss_fn=_mse)
-            x = torch.randn(M * MBS, SEQ, H)
-            target = torch.randn(M * MBS, SEQ, H)
-            params = list(stage_mod.parameters())
-            before = tracker.total_bytes
-
-            def beyond() -> int:  # beyond the weights, their gradients and the loss scalars
-                return (tracker.total_bytes - before - _storage_bytes(p.grad for p in params)
-                        - _storage_bytes(schedule._internal_losses))
-
-            backward = stage.backward_one_chunk
-
-            def at_backward(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-                if bwd_chunk_id == 1:
-                    out[f"backward1_step{step}"] = beyond()
-                return backward(bwd_chunk_id, *args, **kwargs)
-
-            stage.backward_one_chunk = at_backward
-            for step in (1, 2):
-                losses: list = [] if rank == 1 else None
-                schedule.step(x if rank == 0 else None,
-                              target=target if rank == 1 else None, losses=losses,
-                              return_outputs=False)
-                grads = _storage_bytes(p.grad for p in params)
-                loss_bytes = _storage_bytes(losses or [])
-                out[f"step{step}"] = tracker.total_bytes - before - grads - loss_bytes
-                del losses
+        out["last_output"] = _one_f_one_b(rank, _ce, True)
+        out.update(_one_f_one_b(rank, _mse, False))
     finally:
         dist.destroy_process_group()
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
