@@ -121,15 +121,8 @@ def _one_f_one_b(rank: int, loss_fn: Any, classes: bool) -> dict[str, int]:
 
         stage.forward_one_chunk, stage.backward_one_chunk = at_forward, at_backward
         stage_mod[2].register_forward_pre_hook(at_last_layer)
-        for step in (1, 2):
-            at.update(step=step, mb=-1)
-            losses: list | None = [] if rank == 1 else None
-            schedule.step(x if rank == 0 else None, target=target if rank == 1 else None,
-                          losses=losses, return_outputs=False)
-            out[f"step{step}"] = (tracker.total_bytes - before
-                                  - _storage_bytes(p.grad for p in params)
-                                  - _storage_bytes(losses or []))
-            del losses
+        out.update(_two_steps(rank, schedule, (x, target), (tracker, before, params),
+                              lambda step: at.update(step=step, mb=-1)))
     return out
 
 
@@ -150,15 +143,28 @@ def _interleaved(rank: int) -> dict[str, int]:
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=M, loss_fn=_mse)
         x, target = torch.randn(M * MBS, SEQ, H), torch.randn(M * MBS, SEQ, H)
         params = [p for mod in mods for p in mod.parameters()]
-        before = tracker.total_bytes
-        for step in (1, 2):
-            losses: list | None = [] if rank == 1 else None
-            schedule.step(x if rank == 0 else None, target=target if rank == 1 else None,
-                          losses=losses, return_outputs=False)
-            out[f"step{step}"] = (tracker.total_bytes - before
-                                  - _storage_bytes(p.grad for p in params)
-                                  - _storage_bytes(losses or []))
-            del losses
+        out.update(_two_steps(rank, schedule, (x, target),
+                              (tracker, tracker.total_bytes, params)))
+    return out
+
+
+def _two_steps(rank: int, schedule: Any, batch: tuple[Any, Any], seen: tuple[Any, int, list],
+               before_step: Any = None) -> dict[str, int]:
+    """Steps 1 and 2 as torchtitan runs them (``return_outputs=False``): after each, the
+    rank's bytes beyond what ``seen``'s tracker held at its count (its weights, the batch),
+    the gradients and the losses."""
+    (x, target), (tracker, before, params) = batch, seen
+    out = {}
+    for step in (1, 2):
+        if before_step is not None:
+            before_step(step)
+        losses: list | None = [] if rank == 1 else None
+        schedule.step(x if rank == 0 else None, target=target if rank == 1 else None,
+                      losses=losses, return_outputs=False)
+        out[f"step{step}"] = (tracker.total_bytes - before
+                              - _storage_bytes(p.grad for p in params)
+                              - _storage_bytes(losses or []))
+        del losses
     return out
 
 
