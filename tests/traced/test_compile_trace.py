@@ -20,6 +20,8 @@ state, a symbolic-size uint8 tensor of the checkpoint, not counted).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -47,6 +49,16 @@ def _traced_activations(config: dict, dtype: str, checkpoint: str, width: int = 
 def _activations(saved, width: int = 256) -> int:
     stream = (BATCH, SEQ, width)
     return sum(t.size_bytes for t in saved if not t.graph_input or t.shape == stream)
+
+
+def _model_backward(kind: Any, groups: dict[str, int], grad_bytes: int, stream: int = 0) -> int:
+    """memplan's backward peak of one compiled layer (``kind``): each backward moment's alive
+    and transient bytes with the weight gradients made by then (``groups``' elements, of
+    ``grad_bytes`` each), less ``stream`` (the incoming gradient the trace does not hold)
+    but at the layer's end."""
+    return max(m.alive_bytes + m.transient_bytes
+               + grad_bytes * sum(groups[g] for g in m.grads_before)
+               - (0 if m.name == "compiled_end" else stream) for m in kind.moments)
 
 
 def _spec(library: str, fuse_qkv: bool):
@@ -133,8 +145,7 @@ def test_compiled_layer_phase_peaks(dtype: str, precision: str, grad_bytes: int,
     kind = layer_kind(spec, wl, dm, False, Recompute.NONE)
     groups = grad_group_params(spec, 1, 1, False)
     stream = BATCH * SEQ * TOY["hidden_size"] * grad_bytes
-    backward = max(m.alive_bytes + m.transient_bytes
-                   + grad_bytes * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    backward = _model_backward(kind, groups, grad_bytes)
     traced_forward, traced_backward = compiled_layer_peaks(TOY, dtype, BATCH, SEQ,
                                                            gpu_realize=True)
     assert kind.forward_peak_bytes - stream == traced_forward
@@ -203,8 +214,7 @@ def test_compiled_autocast_layer_matches_trace(autocast: str, precision: str,
         assert kind.forward_peak_bytes - stream == forward == 2_954_240
     else:
         assert forward - (kind.forward_peak_bytes - stream) == 5_056
-    modelled = max(m.alive_bytes + m.transient_bytes + 4 * sum(groups[g] for g in m.grads_before)
-                   - (0 if m.name == "compiled_end" else stream) for m in kind.moments)
+    modelled = _model_backward(kind, groups, 4, stream)
     assert modelled == 4_130_816
     assert backward == (4_101_120 if checkpoint == "none" else 4_130_816)
 
@@ -242,8 +252,7 @@ def test_compiled_autocast_swiglu_backward(seq: int, saved: int, backward: int) 
         t.size_bytes for t in traced
         if not t.graph_input or t.shape == (BATCH, seq, TOY["hidden_size"]))
     assert kind.forward_peak_bytes - stream == forward
-    modelled = max(m.alive_bytes + m.transient_bytes + 4 * sum(groups[g] for g in m.grads_before)
-                   - (0 if m.name == "compiled_end" else stream) for m in kind.moments)
+    modelled = _model_backward(kind, groups, 4, stream)
     assert modelled == peak == backward
 
 
@@ -314,8 +323,7 @@ def _float8_peaks(recipe: str, checkpoint: str, seq: int) -> tuple[int, int]:
     kind = layer_kind(spec, wl, dm, False, recompute)
     groups = grad_group_params(spec, 1, 1, False)
     stream = dm.rows * spec.hidden_size * dm.e
-    backward = max(m.alive_bytes + m.transient_bytes
-                   + dm.e * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    backward = _model_backward(kind, groups, dm.e)
     return kind.forward_peak_bytes - stream, backward - stream
 
 
@@ -605,8 +613,7 @@ def test_compiled_moe_layer_phase_peaks(config: dict, name: str) -> None:
     kind = layer_kind(spec, wl, dm, True, Recompute.NONE)
     groups = grad_group_params(spec, 1, 1, True)
     stream = BATCH * SEQ * config["hidden_size"] * 2
-    backward = max(m.alive_bytes + m.transient_bytes
-                   + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    backward = _model_backward(kind, groups, 2)
     traced_forward, traced_backward = compiled_layer_peaks(config, "bfloat16", BATCH, SEQ,
                                                            gpu_realize=True)
     assert kind.forward_peak_bytes - stream == traced_forward
@@ -630,8 +637,7 @@ def _titan_rebuilt(checkpoint: str, batch: int, seq: int) -> tuple:
     dm = Dims.of(spec, ParallelConfig(), wl)
     kind = layer_kind(spec, wl, dm, False, recompute)
     groups = grad_group_params(spec, 1, 1, False)
-    backward = max(m.alive_bytes + m.transient_bytes
-                   + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    backward = _model_backward(kind, groups, 2)
     return spec, wl, dm, kind, backward, batch * seq * 256 * 2
 
 
@@ -736,8 +742,7 @@ def test_compiled_full_ac_transformers_output_copy() -> None:
     dm = Dims.of(spec, ParallelConfig(), wl)
     kind = layer_kind(spec, wl, dm, False, Recompute.FULL)
     groups = grad_group_params(spec, 1, 1, False)
-    backward = max(m.alive_bytes + m.transient_bytes
-                   + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    backward = _model_backward(kind, groups, 2)
     assert backward - s == 7_491_584
     _, _, traced = compiled_layer_step(TOY, "bfloat16", batch, seq, checkpoint="full",
                                        gpu_realize=True)
@@ -803,8 +808,7 @@ def test_compiled_post_norm_layer_matches_trace(checkpoint: str, saved: int, for
     dm = Dims.of(spec, ParallelConfig(), wl)
     kind = layer_kind(spec, wl, dm, False, recompute)
     groups = grad_group_params(spec, 1, 1, False)
-    model_backward = max(m.alive_bytes + m.transient_bytes
-                         + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    model_backward = _model_backward(kind, groups, 2)
     assert kind.saved_bytes == saved
     assert kind.forward_peak_bytes - s == forward
     assert model_backward - s == backward
@@ -858,8 +862,7 @@ def test_compiled_sandwich_layer_matches_trace() -> None:
     dm = Dims.of(spec, ParallelConfig(), wl)
     kind = layer_kind(spec, wl, dm, False, Recompute.NONE)
     groups = grad_group_params(spec, 1, 1, False)
-    model_backward = max(m.alive_bytes + m.transient_bytes
-                         + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    model_backward = _model_backward(kind, groups, 2)
     assert kind.saved_bytes == kind.forward_peak_bytes - s == saved
     assert model_backward - s == backward
     traced_saved, traced_forward, traced_backward = compiled_layer_step(
@@ -915,8 +918,7 @@ def test_compiled_sandwich_layer_rebuilt_matches_trace(gpu_realize: bool) -> Non
     dm = Dims.of(spec, ParallelConfig(), wl)
     kind = layer_kind(spec, wl, dm, False, Recompute.FULL)
     groups = grad_group_params(spec, 1, 1, False)
-    model_backward = max(m.alive_bytes + m.transient_bytes
-                         + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    model_backward = _model_backward(kind, groups, 2)
     assert kind.saved_bytes == s
     assert kind.forward_peak_bytes - s == forward
     assert model_backward - s == backward
