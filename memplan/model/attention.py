@@ -377,7 +377,8 @@ class Attention:
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
         return (attention_terms(spec, wl, dm, recompute)
                 + compiled.float8_scales("attn", attention_linears(spec), dm)
-                + compiled.float8_tp_weights("attn", attention_linears(spec), dm, recompute))
+                + compiled.float8_tp_weights("attn", attention_linears(spec), dm, recompute)
+                + compiled.float8_rebuilt_casts("attn", attention_linears(spec), spec, wl, dm))
 
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                         recompute: Recompute) -> list[Moment]:

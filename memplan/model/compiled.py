@@ -916,8 +916,11 @@ def float8_swiglu_casts(spec: ModelSpec, dm: Dims, linears: Sequence[linear.Line
       4.5 T x f x 2 B, before any weight gradient (25,266,180 B traced, memplan 6,148 B
       under: the weights' amaxes, hoisted to the backward's start).
     Rebuilt (full recompute, per-op SAC: the checkpoint inside the graph) the same kernels
-    beside the rebuilt set, which holds more there, not modelled (2 x 1,024: tensorwise
-    full 21,512,222 B traced, memplan 2.7% under, per-op SAC 3.5%; rowwise 3.8% and 8.5%).
+    beside the rebuilt set, which also holds the backward's casts written in the rebuild
+    (``float8_rebuilt_casts``; 2 x 1,024 full: tensorwise 21,512,222 B traced, memplan
+    18 B over, 2.7% under before; rowwise 26,248,196 B, 3,076 B under, 3.8% before). Per-op
+    SAC's own kept tensors beside them are not modelled here (2 x 1,024: tensorwise -0.8%,
+    rowwise -5.0%).
     None unconverted, tensor-parallel (untraced) or another MLP."""
     if not (spec.mlp is MlpKind.SWIGLU and not dm.float8_tp
             and float8_gate_held(spec, dm, linears)):
@@ -971,6 +974,50 @@ def rerun_dims(dm: Dims) -> Dims:
     """``dm`` for the forward a full recompute reruns in a compiled layer's backward
     (``Dims.rerun``): what it rebuilds, not the saved set ``float8_tp_weights`` traces."""
     return dm._replace(rerun=True) if dm.compiled else dm
+
+
+def float8_rebuilt_casts(prefix: str, linears: Sequence[linear.Linear], spec: ModelSpec,
+                         wl: Workload, dm: Dims) -> list[Term]:
+    """Compiled with torchao's ``Float8Linear``s on a single rank, a layer rebuilt inside the
+    graph (full recompute, per-op SAC's: ``Dims.rerun``): the backward's float8 casts that
+    Inductor writes in the rebuild and holds to their ``_scaled_mm``. The backward casts a
+    weight again, transposed, for the input's gradient and an input for the weight's
+    (``matmul_with_hp_or_float8_args.backward``: ``weight_hp_t`` and
+    ``input_hp_reshaped_maybe_fp8_dim1`` through ``hp_tensor_to_float8_dynamic``). Read
+    from tensors the rebuild holds (the weight, a saved input) with nothing from the
+    backward's gradients, each cast is a node the scheduler fuses horizontally into the
+    rebuilt forward's cast of the same tensor (torch/_inductor/scheduler.py ``Scheduler.
+    fuse_nodes``, shared reads; torch 2.13): one kernel writes both, so the backward's cast
+    is alive from the rebuild on. Per ``linears`` (the block's converted ones):
+
+    - the output projection (``prefix`` "attn", its input SDPA's saved output): its input's
+      cast (T x q float8) and its weight's (q x h float8) with their amaxes (tensorwise
+      the input's scalar, the weight's saved already: ``float8_scales``; rowwise one per
+      column of each, q x e each), alive until its weight gradient (the input's) and its
+      input gradient (the weight's), after the MLP's backward;
+    - rowwise, the MLP's gate and up projections (``prefix`` "mlp"): their weights' casts
+      (f x h float8 each) and amaxes (one per input feature, h x e), alive until their
+      input gradients. Tensorwise Inductor fuses their rebuilt casts with the norm's
+      statistics instead, and the backward's casts come after the activation's kernels.
+    The input casts of the projections after a norm are not written (``float8_input_fused``).
+    Traced: benchmarks/compiled_backward.py, torchtitan's block, torchao 0.18.0, full
+    recompute at 2 x 1,024 tokens, alive at the backward's peak (the activation's kernels):
+    tensorwise 2,048 x 256 + 256 x 256 + 2 = 589,826 B (``..._t_transpose_view_18`` and
+    ``_19`` beside the forward's casts), rowwise that less 2 plus 2 x 512 and
+    2 x (768 x 256 + 512) (``_16``, ``_20`` and ``_24`` twice). None with tensor
+    parallelism (untraced), outside the graph (``in_checkpoint``) or unconverted."""
+    if not (dm.compiled and dm.rerun and not dm.float8_tp and not in_checkpoint(wl)
+            and dm.float8 is not Float8Recipe.NONE):
+        return []
+    rowwise = dm.float8 is Float8Recipe.ROWWISE
+    held = 0
+    if prefix == "attn" and linear.float8_converts(out := linears[-1], dm):
+        held += (dm.tokens * out.d_in + out.d_in * out.d_out) * linear.FLOAT8_BYTES
+        held += 2 * out.d_in * dm.e if rowwise else dm.e
+    if prefix == "mlp" and rowwise and spec.mlp.gated:
+        held += sum(lin.d_in * lin.d_out * linear.FLOAT8_BYTES + lin.d_in * dm.e
+                    for lin in linears[:-1] if linear.float8_converts(lin, dm))
+    return [Term(f"{prefix}.float8_rebuilt_casts", held)] if held else []
 
 
 def float8_scales(prefix: str, linears: tuple[linear.Linear, ...], dm: Dims) -> list[Term]:

@@ -489,6 +489,8 @@ class Mlp:
             terms += compiled.float8_scales("mlp", mlp_linears(spec, spec.ffn_hidden_size), dm)
             terms += compiled.float8_tp_weights("mlp", mlp_linears(spec, spec.ffn_hidden_size),
                                                 dm, recompute)
+            terms += compiled.float8_rebuilt_casts(
+                "mlp", mlp_linears(spec, spec.ffn_hidden_size), spec, wl, dm)
         return (terms
                 + linear.saved_terms("mlp", mlp_linears(spec, spec.ffn_hidden_size), dm)
                 + residual_dropout_mask("mlp", spec, dm))
