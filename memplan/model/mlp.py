@@ -481,18 +481,16 @@ class Mlp:
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
         terms = mlp_terms("mlp", spec, dm, spec.ffn_hidden_size, dm.tokens)
+        linears = mlp_linears(spec, spec.ffn_hidden_size)
         if wl.compile:
             terms = compiled.mlp_terms(terms, spec.mlp.gated)
-            if compiled.float8_recomputed(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm):
+            if compiled.float8_recomputed(linears[-1:], dm):
                 # the down projection's input, recomputed
                 terms = [t for t in terms if not t.name.endswith(".prod")]
-            terms += compiled.float8_scales("mlp", mlp_linears(spec, spec.ffn_hidden_size), dm)
-            terms += compiled.float8_tp_weights("mlp", mlp_linears(spec, spec.ffn_hidden_size),
-                                                dm, recompute)
-            terms += compiled.float8_rebuilt_casts(
-                "mlp", mlp_linears(spec, spec.ffn_hidden_size), spec, wl, dm)
-        return (terms
-                + linear.saved_terms("mlp", mlp_linears(spec, spec.ffn_hidden_size), dm)
+            terms += compiled.float8_scales("mlp", linears, dm)
+            terms += compiled.float8_tp_weights("mlp", linears, dm, recompute)
+            terms += compiled.float8_rebuilt_casts("mlp", linears, spec, wl, dm)
+        return (terms + linear.saved_terms("mlp", linears, dm)
                 + residual_dropout_mask("mlp", spec, dm))
 
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
