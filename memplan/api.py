@@ -404,7 +404,9 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     ``calibration`` as for ``estimate``: candidates are re-checked and re-timed with it.
     ``top``: only the ``top`` fastest candidates are wanted, so recompute policies that cannot
     beat them are not searched (the first ``top`` are the same; without calibration).
-    ``reserved``: each candidate is fitted against the caching allocator's reserved peak
+    ``recompute="auto"`` (op-level checkpointing, the save set chosen per fit) where memplan
+    does not model the layer op by op searches the whole levels instead and says why in the
+    result's ``notes``. ``reserved``: each candidate is fitted against the caching allocator's reserved peak
     (``memplan.model.reserved``, one replay per configuration checked, cached), its
     micro-batch lowered until that fits, fastest first until ``top`` fit. False: the search's
     tensor peak and fixed overheads alone (a lower bound of what the device holds). None

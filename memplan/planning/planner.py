@@ -145,6 +145,8 @@ class PlanResult:
     oom_excess_bytes: int | None = None  # smallest overshoot of a configuration that did not fit
     closest_miss: Miss | None = None  # that configuration
     budget_bytes: int = 0  # what a configuration may peak at: capacity * (1 - safety)
+    # what the search could not express and searched instead (``_expressible``)
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -395,7 +397,7 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
                    with_library_workspaces(default_overheads(gpu), gpu, wl.te_grouped_gemm,
                                            wl.te_gemm_workspace, wl.te_ub_workspace),
                    capacity)
-    allowed = tuple(recompute or RECOMPUTE_ORDER)
+    allowed = _expressible(spec, wl, tuple(recompute or RECOMPUTE_ORDER), result.notes)
     policies = [_policies(allowed, _fewest_layers(spec.num_layers, p.pp, p.vpp, p.stage_layers))
                 for p in pars]
     keep, spent, wanted = 0.0, (0, 0), top
@@ -464,6 +466,30 @@ def _plan_once(ctx: _Context, pars: list[ParallelConfig],
     return result, (None if slowest < sure else slowest)
 
 
+OPS_NOT_MODELLED = ("recompute ops: op-level save sets are not modelled here ({why}); "
+                    "searched the whole recompute levels instead (none, selective, full, "
+                    "full on k layers)")
+
+
+def _expressible(spec: ModelSpec, wl: Workload, allowed: tuple[Recompute, ...],
+                 notes: list[str]) -> tuple[Recompute, ...]:
+    """The recompute policies to search: op-level checkpointing (``--recompute auto``)
+    where memplan models the layer's ops (``memplan.model.sac_ops.ops_refusal``; the
+    refusal reads the model and the workload, not the layout), else the whole levels in
+    its place, with a note saying why in ``notes``: a plan that answers with what it can
+    express, and says what it could not, rather than none."""
+    if Recompute.OPS not in allowed:
+        return allowed
+    from memplan.model.sac_ops import ops_refusal
+
+    why = ops_refusal(spec, wl)
+    if why is None:
+        return allowed
+    notes.append(OPS_NOT_MODELLED.format(why=why))
+    levels = [r for r in allowed if r is not Recompute.OPS]
+    return tuple(levels + [r for r in RECOMPUTE_ORDER if r not in levels])
+
+
 def merge(results: list[PlanResult]) -> PlanResult:
     """Plans of one model, GPUs and global batch over different workloads (DeepSpeed's reduce
     bucket sizes) as one: every candidate, fastest first and among equals the one with most
@@ -487,6 +513,7 @@ def merge(results: list[PlanResult]) -> PlanResult:
         out.rejected.update(r.rejected)
         out.evaluated += r.evaluated
         out.searched += r.searched
+        out.notes += [n for n in r.notes if n not in out.notes]
     misses = [r.closest_miss for r in results if r.closest_miss is not None]
     if misses:
         out.closest_miss = min(misses, key=lambda m: m.peak_bytes)

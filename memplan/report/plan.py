@@ -39,6 +39,7 @@ def plan_json(result: PlanResult, top: int) -> dict[str, Any]:
             "peak_bytes": result.closest_miss.peak_bytes,
             "stage": result.closest_miss.stage},
         "no_fit": no_fit_reason(result) if not result.candidates else None,
+        "notes": list(result.notes),
     }
 
 
@@ -155,6 +156,7 @@ def render_plan(result: PlanResult, model: str, num_layers: int, gpus: int, gpu:
                       f"{c.time.tokens_per_s_per_gpu:,.0f}", f"{c.time.mfu:.2f}",
                       _BOUND[c.time.bound.value])
     parts: list[Any] = [table]
+    parts += [Text(f"note: {note}") for note in result.notes]
     if result.rejected:
         parts.append(Text("rejected: " + "; ".join(
             f"{n} x {reason}" for reason, n in result.rejected.most_common())))

@@ -229,6 +229,25 @@ def test_plan_searches_save_lists() -> None:
         pass
 
 
+def test_plan_auto_searches_the_levels_where_ops_are_not_modelled() -> None:
+    """On the einsum scan (falcon-h1's default ``mamba_kernel``, not modelled op by op)
+    ``plan --recompute auto`` answers rather than refusing: it searches the whole recompute
+    levels, which is the search of a plan with no recompute fixed, candidate for candidate,
+    and says so in its notes, naming the kernel."""
+    auto = plan(FALCON, gpus=8, recompute="auto", top=3)
+    levels = plan(FALCON, gpus=8, top=3)
+    assert auto.candidates and levels.notes == []
+    assert [(c.layout, c.micro_batch_size, c.recompute, c.recompute_layers, c.peak_bytes)
+            for c in auto.candidates] == \
+        [(c.layout, c.micro_batch_size, c.recompute, c.recompute_layers, c.peak_bytes)
+         for c in levels.candidates]
+    assert len(auto.notes) == 1
+    assert "mamba_kernel torch-einsum" in auto.notes[0]
+    assert "searched the whole recompute levels" in auto.notes[0]
+    with pytest.raises(LayoutError, match="torch-einsum"):  # one layout: still refused
+        estimate(FALCON, gpus=8, recompute="auto")
+
+
 def test_mamba_group() -> None:
     """``mamba`` names the mixer's six items (Falcon-H1's block ``mamba``); in Granite 4.0-H
     its Mamba layers' five (``mamba.*``, in their attention block); in a model without a
