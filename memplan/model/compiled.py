@@ -1066,7 +1066,9 @@ def float8_sac_mlp_casts(linears: Sequence[linear.Linear], spec: ModelSpec, wl: 
     output's), ``buf23`` (the incoming gradient's): 27,616,772 B, memplan 4,092 B over
     (-4.97% before); 2 x 256 2,052 B under (-2.79% before). Counted from the rebuild on
     (the incoming gradient's cast is made just before the kernel, under the moments before
-    it). Tensorwise the casts are pointwise kernels after the activation's (``float8_
+    it). At 2 x 64 tokens Inductor orders the backward otherwise (that cast after the
+    kernel; the attention's RoPE'd q, k, v rebuilt before it, the kept qkv output freed):
+    memplan 35,068 B over there (+1.74%; +6.66% before). Tensorwise the casts are pointwise kernels after the activation's (``float8_
     swiglu_casts``): not here."""
     rerun = {name for name, *_ in sac_recomputed(spec, wl.fused_qkv or spec.fused_qkv)}
     up, gate, down = linears
