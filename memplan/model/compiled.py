@@ -927,8 +927,9 @@ def float8_swiglu_casts(spec: ModelSpec, dm: Dims, linears: Sequence[linear.Line
     (the dim-1 casts and their ``_scaled_mm``s), so SDPA's backward runs beside gate's, up's
     and the product's gradient; the trace peaks inside it, in CPU's per-thread scratch
     (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp ``cpu_flash_attention_backward``:
-    ``buf`` and ``buf_reduced``, num_threads x 2 q-split x kv-split blocks in fp32 and
-    bf16, 3,146,752 B on 2 threads), a CPU kernel's workspace no moment models
+    ``buf`` and ``buf_reduced``, num_threads x 2 q-split x kv-split blocks (256 x 512)
+    in fp32 and bf16, and a row sum: 3,146,752 B on the tracing machine's 2 threads), a
+    CPU kernel's workspace no moment models
     (memplan 0.77% under; without it the trace peaks at gate's grad-input ``_scaled_mm``
     after the kernel writing gate's and up's dim-0 casts, 20,029,488 B, which memplan's
     full-recompute moment overstates by 1,482,752 B: not modelled).
