@@ -78,6 +78,7 @@ from typing import TYPE_CHECKING
 from memplan.model import linear
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import COMPLEX64_PAIR_BYTES, FP32_BYTES, INDEX_BYTES, Dims, Term
+from memplan.model.sac import recomputed as sac_recomputed
 from memplan.spec import (
     ActivationImpl,
     MlpKind,
@@ -95,6 +96,7 @@ from memplan.workload import (
     NormImpl,
     Recompute,
     RopeCache,
+    SelectiveImpl,
     TeFp8Recipe,
     Workload,
 )
@@ -918,9 +920,19 @@ def float8_swiglu_casts(spec: ModelSpec, dm: Dims, linears: Sequence[linear.Line
     Rebuilt (full recompute, per-op SAC: the checkpoint inside the graph) the same kernels
     beside the rebuilt set, which also holds the backward's casts written in the rebuild
     (``float8_rebuilt_casts``; 2 x 1,024 full: tensorwise 21,512,222 B traced, memplan
-    18 B over, 2.7% under before; rowwise 26,248,196 B, 3,076 B under, 3.8% before). Per-op
-    SAC's own kept tensors beside them are not modelled here (2 x 1,024: tensorwise -0.8%,
-    rowwise -5.0%).
+    18 B over, 2.7% under before; rowwise 26,248,196 B, 3,076 B under, 3.8% before); under
+    per-op SAC, rowwise, the casts its rebuild holds instead (``float8_sac_mlp_casts``;
+    2 x 1,024: 4,092 B over, 5.0% under before). Per-op SAC, tensorwise, at 2 x 1,024
+    tokens Inductor runs the attention's backward before the MLP's weight-gradient kernels
+    (the dim-1 casts and their ``_scaled_mm``s), so SDPA's backward runs beside gate's, up's
+    and the product's gradient; the trace peaks inside it, in CPU's per-thread scratch
+    (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp ``cpu_flash_attention_backward``:
+    ``buf`` and ``buf_reduced``, num_threads x 2 q-split x kv-split blocks (256 x 512)
+    in fp32 and bf16, and a row sum: 3,146,752 B on the tracing machine's 2 threads), a
+    CPU kernel's workspace no moment models
+    (memplan 0.77% under; without it the trace peaks at gate's grad-input ``_scaled_mm``
+    after the kernel writing gate's and up's dim-0 casts, 20,029,488 B, which memplan's
+    full-recompute moment overstates by 1,482,752 B: not modelled).
     None unconverted, tensor-parallel (untraced) or another MLP."""
     if not (spec.mlp is MlpKind.SWIGLU and not dm.float8_tp
             and float8_gate_held(spec, dm, linears)):
@@ -1014,10 +1026,61 @@ def float8_rebuilt_casts(prefix: str, linears: Sequence[linear.Linear], spec: Mo
     if prefix == "attn" and linear.float8_converts(out := linears[-1], dm):
         held += (dm.tokens * out.d_in + out.d_in * out.d_out) * linear.FLOAT8_BYTES
         held += 2 * out.d_in * dm.e if rowwise else dm.e
-    if prefix == "mlp" and rowwise and spec.mlp.gated:
+    if prefix == "mlp" and rowwise and spec.mlp.gated and _per_op_sac(wl):
+        held += float8_sac_mlp_casts(linears, spec, wl, dm)
+    elif prefix == "mlp" and rowwise and spec.mlp.gated:
         held += sum(lin.d_in * lin.d_out * linear.FLOAT8_BYTES + lin.d_in * dm.e
                     for lin in linears[:-1] if linear.float8_converts(lin, dm))
     return [Term(f"{prefix}.float8_rebuilt_casts", held)] if held else []
+
+
+def _per_op_sac(wl: Workload) -> bool:
+    """torchtitan's per-op SAC (``Recompute.SELECTIVE`` with ``SelectiveImpl.OP``), whose
+    layer ``layer.layer_kind`` builds from the full recompute's."""
+    return wl.recompute is Recompute.SELECTIVE and wl.selective_impl is SelectiveImpl.OP
+
+
+def float8_sac_mlp_casts(linears: Sequence[linear.Linear], spec: ModelSpec, wl: Workload,
+                         dm: Dims) -> int:
+    """Rowwise ``Float8Linear``s on a gated MLP's own projections (``linears``: ``mlp.
+    mlp_linears``: up, gate, down) in a layer under torchtitan's per-op SAC, compiled with
+    the checkpoint inside the graph: the backward's float8 casts alive at the activation's
+    cast kernel (``float8_swiglu_casts``), in place of the full recompute's two weight casts
+    (``float8_rebuilt_casts``). torchao 0.18.0 ``float8_linear.py``
+    ``matmul_with_hp_or_float8_args.backward`` casts, per linear, its weight transposed for
+    the input's gradient (``weight_hp_t``) and, for the weight's gradient, its input and the
+    output's gradient along dim 1 (``input_hp_reshaped_maybe_fp8_dim1``,
+    ``grad_output_reshaped_maybe_fp8_dim1``: ``float8_scaling_utils.
+    hp_tensor_to_float8_dynamic`` with ``axiswise_dim=0``, a scale per column). The
+    policy keeps every odd matmul's output (``sac.recomputed``: gate's, ``mlp.w1``, kept;
+    up's, ``mlp.w3``, rerun), so Inductor's rebuild (the checkpoint's nodes recomputed:
+    ``must_recompute``) reruns the MLP norm and up's matmul alone, and horizontally fuses
+    the backward's casts reading the same tensors into the rebuild's kernels (torch/
+    _inductor/scheduler.py ``Scheduler.fuse_nodes``, shared reads; torch 2.13): the rerun
+    projections' weight casts (f x h float8, an amax per input feature: gate's, not rerun,
+    is cast later, at its own matmul) and both the norm output's dim-1 casts (T x h float8
+    each, read by gate's and up's weight gradients, the MLP backward's last matmuls), and
+    it writes the incoming gradient's dim-1 cast (T x h float8, for down's weight gradient)
+    before the activation's kernel. Traced (benchmarks/compiled_backward.py, torchtitan's
+    block, torchao 0.18.0, Inductor's output code at the backward's peak): 2 x 1,024 tokens
+    ``buf31`` (w3's transposed cast) with ``buf29``, ``buf37`` and ``buf48`` (the norm
+    output's), ``buf23`` (the incoming gradient's): 27,616,772 B, memplan 4,092 B over
+    (-4.97% before); 2 x 256 2,052 B under (-2.79% before). Counted from the rebuild on
+    (the incoming gradient's cast is made just before the kernel, under the moments before
+    it). At 2 x 64 tokens Inductor orders the backward otherwise (that cast after the
+    kernel; the attention's RoPE'd q, k, v rebuilt before it, the kept qkv output freed):
+    memplan 35,068 B over there (+1.74%; +6.66% before). Tensorwise the casts are pointwise kernels after the activation's (``float8_
+    swiglu_casts``): not here."""
+    rerun = {name for name, *_ in sac_recomputed(spec, wl.fused_qkv or spec.fused_qkv)}
+    up, gate, down = linears
+    held = sum(lin.d_in * lin.d_out * linear.FLOAT8_BYTES + lin.d_in * dm.e
+               for lin, name in ((up, "mlp.w3"), (gate, "mlp.w1"))
+               if name in rerun and linear.float8_converts(lin, dm))
+    held += sum(dm.tokens * lin.d_in * linear.FLOAT8_BYTES for lin in (up, gate)
+                if linear.float8_converts(lin, dm))
+    if linear.float8_converts(down, dm):
+        held += dm.tokens * down.d_out * linear.FLOAT8_BYTES
+    return held
 
 
 def float8_scales(prefix: str, linears: tuple[linear.Linear, ...], dm: Dims) -> list[Term]:

@@ -378,6 +378,45 @@ def test_compiled_float8_rebuilt_layer_backward_peak() -> None:
     assert backward - 6_906_880 == 3_076
 
 
+@pytest.mark.parametrize("recipe,modelled,traced", [("rowwise", 7_102_976, 7_105_028),
+                                                     ("tensorwise", 5_722_160, 5_720_094)])
+def test_compiled_float8_per_op_sac_backward_peak(recipe: str, modelled: int,
+                                                  traced: int) -> None:
+    """torchtitan's block (fused wqkv, bf16) with torchao's Float8Linears inside its per-op
+    SAC, compiled, 2 x 256 tokens (T 512, h = q 256, f 768), traced as
+    ``test_compiled_float8_layer_phase_peaks``: the backward peaks at the activation's cast
+    kernels (``compiled.float8_swiglu_casts``) beside the rebuilt set.
+
+    Rowwise: the layer not recomputed's moment (6,315,008 B), the output projection's
+    rebuilt casts (197,632, as in ``test_compiled_float8_rebuilt_layer_backward_peak``) and
+    what per-op SAC's rebuild holds of the MLP's backward casts (``compiled.
+    float8_sac_mlp_casts``): up's transposed weight cast 768 x 256 with its amax 256 x 2
+    (gate's output is kept, its weight cast made later), the MLP norm output's two dim-1
+    casts 2 x T x h = 262,144 and the incoming gradient's T x h = 131,072: 7,102,976 B
+    (memplan 6,906,880 before, the full recompute's gate and up weight casts, -2.79%). The
+    trace holds 2,052 B more: the weights' amaxes Inductor hoists (6,148 B without
+    recompute) less one norm's statistics (T x 4) memplan counts and the rebuild does not
+    hold (the attention norm's: the kept qkv output stands for its rerun).
+    Tensorwise (unchanged): the cast kernel of ``float8_swiglu_casts`` (the product's
+    gradient, the four T x f casts and the down weight's gradient) beside gate's kept and
+    up's rebuilt outputs, qkv, SDPA's output and logsumexp, the output projection's
+    rebuilt output and its two casts: memplan 2,066 B over, that norm's statistics and
+    18 B of scalars. Both within 0.05% of the trace. At 2 x 1,024 tokens the tensorwise
+    trace peaks inside CPU's SDPA backward instead (``benchmarks/compiled_backward.py``:
+    memplan -0.77%; ``compiled.float8_swiglu_casts``). torchao 0.18.0."""
+    pytest.importorskip("torchao.float8")
+    from memplan.profile.compiled_trace import compiled_layer_step
+
+    config = {"torchtitan": dict(TITAN["torchtitan"], float8=recipe)}
+    _, _, backward = compiled_layer_step(config, "bfloat16", BATCH, 256, checkpoint="op",
+                                         gpu_realize=True)
+    assert _float8_peaks(recipe, "op", 256)[1] == modelled
+    if recipe == "rowwise":
+        assert modelled == 6_315_008 + 197_632 + (196_608 + 512 + 3 * 131_072)
+    assert backward == traced
+    assert abs(modelled - traced) <= 0.0005 * traced
+
+
 @pytest.mark.parametrize("recipe,checkpoint,over", [("tensorwise", "full", 5_056),
                                                     ("rowwise", "op", 0)])
 def test_compiled_float8_checkpointed_forward(recipe: str, checkpoint: str, over: int) -> None:
