@@ -35,7 +35,10 @@ stage is replayed with a few layers per run and the reserved bytes extrapolated
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from fractions import Fraction
+from itertools import accumulate, repeat
 from typing import NamedTuple
 
 from memplan.model.allocator import Alloc, AllocatorConfig, Blip, Free, replay_reserved
@@ -129,20 +132,23 @@ class Stack:
             self.items.append((key, size))
 
     def push_all(self, sizes) -> None:
-        """``push`` each of ``sizes`` in turn."""
+        """``push`` each of ``sizes`` in turn (the events, keys and running peak made a
+        list at a time)."""
         b = self.b
-        events, made, items = b.events, b.sizes, self.items
-        key, alive, peak = b._next, b.alive, b.peak
-        for size in sizes:
-            if size > 0:
-                events.append(_new(Alloc, (key, size, 0)))
-                made[key] = size
-                items.append((key, size))
-                key += 1
-                alive += size
-                if alive > peak:
-                    peak = alive
-        b._next, b.alive, b.peak = key, alive, peak
+        sizes = [size for size in sizes if size > 0]
+        if not sizes:
+            return
+        key = b._next
+        made = list(zip(range(key, key + len(sizes)), sizes))
+        b.events.extend(map(_new, repeat(Alloc), zip(range(key, key + len(sizes)), sizes,
+                                                      repeat(0))))
+        b.sizes.update(made)
+        self.items += made
+        b._next = key + len(sizes)
+        top = max(accumulate(sizes, initial=b.alive))
+        b.alive += sum(sizes)
+        if top > b.peak:
+            b.peak = top
 
     def release(self, nbytes: int) -> None:
         debt = self.debt + nbytes if nbytes > 0 else self.debt
@@ -579,15 +585,33 @@ class StageReplay(NamedTuple):
         return self.reserved_peak_bytes - self.tensor_peak_bytes
 
 
+@contextmanager
+def _collector_paused():
+    """The cyclic garbage collector off for the block (as it was after): a sequence and its
+    replay make tens of thousands of events and blocks that all live until the replay
+    ends, so the collections their allocations trigger (full ones among them, over every
+    object of the process) find nothing to free; the allocator's linked blocks are
+    collected at the first collection after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _replay_caps(s: StageInputs, cfg: AllocatorConfig, caps: tuple[int, ...] | None,
                  limit: tuple[int, int] | None = None
                  ) -> tuple[tuple[int, ...], int, int, int | None, int]:
     """(reserved at setup's and each step's end, the sequence's tensor peak, its events, the
-    step whose allocation failed, the reserved peak); ``limit``: ``replay_stage``'s."""
-    b = stage_sequence(s, caps)
-    if limit is not None:
-        cfg = cfg.model_copy(update={"capacity_bytes": limit[1] - (limit[0] - b.peak)})
-    res = replay_reserved(b.events, cfg, b.marks)
+    step whose allocation failed, the reserved peak); ``limit``: ``replay_stage``'s. Built
+    and replayed with the cyclic garbage collector paused (``_collector_paused``)."""
+    with _collector_paused():
+        b = stage_sequence(s, caps)
+        if limit is not None:
+            cfg = cfg.model_copy(update={"capacity_bytes": limit[1] - (limit[0] - b.peak)})
+        res = replay_reserved(b.events, cfg, b.marks)
     oom = (None if res.oom_event is None else
            next(k for k, m in enumerate(b.marks) if res.oom_event < m))
     return res.at_marks, b.peak, len(b.events), oom, res.reserved_peak_bytes

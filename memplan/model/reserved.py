@@ -153,8 +153,8 @@ def stage_reserved(inputs: StageInputs, tensor_peak_bytes: int, cfg: AllocatorCo
 
 def estimate_reserved(est, alloc_conf: str = "", limited: bool = True,
                       with_expandable: bool = True,
-                      stop: Callable[[int, Reserved], bool] | None = None
-                      ) -> tuple[Reserved, ...]:
+                      stop: Callable[[int, Reserved], bool] | None = None,
+                      done: tuple[Reserved, ...] = ()) -> tuple[Reserved, ...]:
     """Every stage's ``Reserved`` for an ``memplan.model.estimate.Estimate`` under
     ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF``'s form; the device's capacity as cudaMalloc's
     limit is not applied: the replay reports what the job would reserve). A stage that follows
@@ -162,7 +162,9 @@ def estimate_reserved(est, alloc_conf: str = "", limited: bool = True,
     flight) takes the template's allocator bytes beyond its own tensor peak. ``limited``:
     replay under the capacity the allocator may take (False: what a job that completed on a
     larger device would reserve). ``stop``: called with each stage's index and figures once
-    replayed; True ends the replay there (that stage and those before are returned)."""
+    replayed; True ends the replay there (that stage and those before are returned).
+    ``done``: the first stages' figures, as an earlier call for the same estimate and
+    settings returned them (taken, not replayed again, and not passed to ``stop``)."""
     # the estimate's own stage rules
     from memplan.model.estimate import _follows, _template, stage_workload, staged
 
@@ -173,6 +175,9 @@ def estimate_reserved(est, alloc_conf: str = "", limited: bool = True,
     template = None if staged(wl) else _template(par, parts)
     out: list[Reserved] = []
     for i, stage in enumerate(est.stages):
+        if i < len(done):
+            out.append(done[i])
+            continue
         if _follows(par, parts, template, i) and template is not None and template < len(out):
             t = out[template]
             shift = stage.tensor_peak_bytes - est.stages[template].tensor_peak_bytes
@@ -203,16 +208,19 @@ class RankReserved(NamedTuple):
     # every stage replayed (False: stopped at the first over ``reserved_rank``'s ``above``,
     # whose ``peak_bytes`` is then a lower bound of the rank's)
     exact: bool = True
+    stages: tuple[Reserved, ...] = ()  # each stage replayed, in order
 
 
-def reserved_rank(est, above: int | None = None, alloc_conf: str = "") -> RankReserved:
+def reserved_rank(est, above: int | None = None, alloc_conf: str = "",
+                  done: tuple[Reserved, ...] = ()) -> RankReserved:
     """``estimate_reserved`` of ``est`` under the allocator's defaults and the device's
     capacity, read as the per-GPU peak ``plan`` fits: each stage's reserved peak with its
     calibration correction, fixed overheads and a calibration's measured allocator residual
     (``StageMemory.allocator_bytes``; 0 uncalibrated). The defaults alone (``alloc_conf``:
     other settings): no expandable replay. With ``above`` the replay stops at the first
     stage that peaks above it or runs out of memory (all a search that asks whether it fits
-    needs)."""
+    needs). ``done``: ``estimate_reserved``'s (an earlier call's ``stages`` for the same
+    estimate and ``alloc_conf``)."""
     def row(i: int, r: Reserved) -> int:
         s = est.stages[i]
         return (r.reserved_peak_bytes + s.calibration_bytes + s.cuda_context_bytes
@@ -221,8 +229,8 @@ def reserved_rank(est, above: int | None = None, alloc_conf: str = "") -> RankRe
     def over(i: int, r: Reserved) -> bool:
         return above is not None and (r.oom_step is not None or row(i, r) > above)
 
-    got = estimate_reserved(est, alloc_conf, with_expandable=False, stop=over)
+    got = estimate_reserved(est, alloc_conf, with_expandable=False, stop=over, done=done)
     rows = [(row(i, r), est.stages[i].stage, r.oom_step) for i, r in enumerate(got)]
     peak, stage, _ = max(rows, key=lambda x: x[0])
     oom = next((o for _, _, o in rows if o is not None), None)
-    return RankReserved(peak, stage, oom, len(got) == len(est.stages))
+    return RankReserved(peak, stage, oom, len(got) == len(est.stages), got)

@@ -1032,11 +1032,25 @@ def _reserved_peak(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workl
     the allocator runs out of memory although the tensors fit, whether every stage was
     replayed) of one configuration (``memplan.model.reserved.reserved_rank``; with
     ``above``, its stages replayed only up to the first over it: the peak then a lower
-    bound). Cached: a configuration replays once per process, whatever plan asks for it."""
+    bound). Cached: a configuration replays once per process, whatever plan asks for it;
+    without ``above``, the stages a call with it replayed are taken from it
+    (``_stopped``), not replayed again."""
     from memplan.model.reserved import reserved_rank
 
-    got = reserved_rank(estimate(spec, gpu, par, wl, capacity_bytes=capacity), above)
+    key = (spec, gpu, par, wl, capacity)
+    est = estimate(spec, gpu, par, wl, capacity_bytes=capacity)
+    got = reserved_rank(est, above, done=_stopped.pop(key, ()) if above is None else ())
+    if not got.exact:
+        if len(_stopped) >= STOPPED_MAX:
+            del _stopped[next(iter(_stopped))]
+        _stopped[key] = got.stages
     return got.peak_bytes, got.stage, got.oom_step is not None, got.exact
+
+
+# the stages each ``_reserved_peak`` call with ``above`` that stopped early replayed, per
+# configuration (the same figures as a call without it replays first); the oldest goes first
+STOPPED_MAX = 4096
+_stopped: dict = {}
 
 
 def _fit_reserved(ctx: _Context, ranked: list[Candidate], top: int | None,

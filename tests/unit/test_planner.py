@@ -496,8 +496,8 @@ def test_reserved_check_closest_miss_is_exact(monkeypatch: pytest.MonkeyPatch) -
     calls: list[bool] = []
     rank = reserved.reserved_rank
 
-    def counted(est, above=None):
-        got = rank(est, above)
+    def counted(est, above=None, done=()):
+        got = rank(est, above, done=done)
         calls.append(got.exact)
         return got
 
@@ -505,7 +505,7 @@ def test_reserved_check_closest_miss_is_exact(monkeypatch: pytest.MonkeyPatch) -
     stopped = plan()
     assert stopped[2][planner.OUT_OF_RESERVED] > 0 and not stopped[0]
     assert False in calls  # some replays ended at their first stage
-    monkeypatch.setattr(reserved, "reserved_rank", lambda est, above=None: counted(est))
+    monkeypatch.setattr(reserved, "reserved_rank", lambda est, above=None, done=(): counted(est))
     assert plan() == stopped
 
 
