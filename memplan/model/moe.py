@@ -204,7 +204,7 @@ def loop_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[st
     the expert returned); at ``out.index_add`` (out of place) the weighted rows and the new
     output beside the old."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
-    rows = dm.tokens * moe.top_k // moe.num_experts
+    rows = dm.tokens * moe.top_k * dm.ep // moe.num_experts  # a local expert's
     rh, inner = rows * h * e, rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
     bound = (dm.tokens * moe.num_experts * FP32_BYTES + dm.rows * h * e
              + dm.tokens * moe.top_k * (INDEX_BYTES + e) + 2 * rows * INDEX_BYTES)
@@ -597,12 +597,13 @@ def loop_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[Mome
     Traced: the reference model with a Mixtral-like block, bf16 and fp32, 2 x 128 tokens,
     under full recompute and op-level checkpointing (tests/traced/test_sac_policy.py)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
-    rows = dm.tokens * moe.top_k // moe.num_experts
+    local = moe.num_experts // dm.ep  # the rank's experts, T k rows among them
+    rows = dm.tokens * moe.top_k // local
     residual = (dm.stream(h) if spec.norm_placement.pre_norm and wl.norm_impl.upcast
                 and dm.stream_e < FP32_BYTES else 0)
     beside = dm.tokens * moe.top_k * e + 2 * rows * INDEX_BYTES + residual
     last = sum(t.size_bytes for t in moe_terms(spec, dm, MoeImpl.LOOP)
-               if t.name in _PER_EXPERT) // moe.num_experts
+               if t.name in _PER_EXPERT) // local
     stream = dm.rows * h * e
     return [Moment("moe_rerun", saved, stream + beside),
             Moment("moe_rerun_combine", saved - last, 2 * stream + beside)]
