@@ -195,14 +195,16 @@ def loop_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[st
     beyond it (``memplan.model.sac_moe._loop_ops``' names; the router's logits, freed once
     softmaxed, in all). Beside the router's fp32 probabilities, the top-k indices and cast
     weights and the combined output (``out``, stream-sized) bound to the block's end, and
-    the expert's row and slot indices, over its r = T k / E rows (balanced routing; the
-    rows h wide, the MLP's f): at its product ``flat[rows]``, the SiLU's and up
-    projection's outputs and the product (the gate's output freed by SiLU); at its down
-    projection ``flat[rows]``, the product and the output (and at both the expert
-    before's weighted rows, still bound to ``y``); at the weighting the down
-    projection's output, the weights' gather and the weighted rows (``flat[rows]`` freed as
-    the expert returned); at ``out.index_add`` (out of place) the weighted rows and the new
-    output beside the old."""
+    the expert's row and slot indices, over its r = T k / (E / ep) rows (the rank's T k
+    routed rows among its experts, balanced routing; the rows h wide, the MLP's f): at its
+    product ``flat[rows]``, the SiLU's and up projection's outputs and the product (the
+    gate's output freed by SiLU); at its down projection ``flat[rows]``, the product and
+    the output; at the weighting the down projection's output, the weights' gather and the
+    weighted rows (``flat[rows]`` freed as the expert returned); at each of the three the
+    expert before's weighted rows, bound to ``y`` until the weighting rebinds it; at
+    ``out.index_add`` (out of place) the weighted rows and the new output beside the old.
+    Traced: the reference model with a Mixtral-like block, fp32, 2 x 128 tokens, the last
+    expert's product the forward's peak, exact (tests/traced/test_sac_policy.py)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     rows = dm.tokens * moe.top_k * dm.ep // moe.num_experts  # a local expert's
     rh, inner = rows * h * e, rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
@@ -212,10 +214,11 @@ def loop_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[st
     mlp_in = {"moe.expert.gate", "moe.expert.act", "moe.expert.up"}
     done = mlp_in | {"moe.dispatched", "moe.expert.prod"}
     # the expert before's weighted rows, bound to ``y`` until the weighting rebinds it
-    # (traced: fp32, rh above at each moment before the combine)
-    return [(bound + 2 * rh + 3 * inner, frozenset(router | {"moe.expert.gate"})),
-            (bound + 3 * rh + inner, frozenset(router | mlp_in)),
-            (bound + 3 * rh + rows * e, frozenset(router | done)),
+    # (traced: fp32, rh above at each moment before the combine); none before the first
+    before = rh if moe.num_experts // dm.ep > 1 else 0
+    return [(bound + before + rh + 3 * inner, frozenset(router | {"moe.expert.gate"})),
+            (bound + before + 2 * rh + inner, frozenset(router | mlp_in)),
+            (bound + before + 2 * rh + rows * e, frozenset(router | done)),
             (bound + dm.rows * h * e + rh,
              frozenset(router | done | {"moe.expert.down", "moe.routing_weights"}))]
 

@@ -40,8 +40,8 @@ tensors cannot be kept under autocast (``kept_refusal``). torch 2.13 calls the p
 forward only; the rerun looks each op's output up by its index among the calls of that op.
 
 Modelled for pre-norm layers (attention with SDPA's fused kernel or an eager core and an MLP, or
-an MoE block as
-transformers' grouped experts run it: ``memplan.model.sac_moe``), without LoRA or
+an MoE block as transformers' grouped experts or memplan's reference loop run it:
+``memplan.model.sac_moe``), without LoRA or
 torch.compile: ``ops_refusal`` names the rest. Dense layers with sandwich norms (Gemma 2 / 3:
 models/gemma2/modeling_gemma2.py Gemma2DecoderLayer.forward, a norm on each mixer's output
 before the residual add) or post norms alone (OLMo 2: models/olmo2/modeling_olmo2.py
@@ -357,8 +357,8 @@ def check_supported(spec: ModelSpec, wl: Workload) -> None:
                           f"recompute ops with {why}: op-level checkpointing is modelled for "
                           "pre-, sandwich and post-norm and parallel layers with SDPA, eager "
                           "or MLA attention (or LFM2's short convolutions, Granite 4.0-H's "
-                          "Mamba2 layers) and a dense MLP or transformers' grouped experts, "
-                          "without LoRA or compile")
+                          "Mamba2 layers) and a dense MLP, transformers' grouped experts or "
+                          "the reference loop, without LoRA or compile")
 
 
 def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
