@@ -55,7 +55,7 @@ from memplan.model.norm import Norm, StreamInput
 from memplan.model.sac import sac_terms
 from memplan.spec import ActivationImpl, ModelSpec, NormPlacement, PositionKind, QkNorm
 from memplan.workload import Attention as Kernel
-from memplan.workload import MambaKernel, NormImpl, Recompute, SelectiveImpl, Workload
+from memplan.workload import MambaKernel, MoeImpl, NormImpl, Recompute, SelectiveImpl, Workload
 
 _ATTENTION, _WINDOW, _MLA, _MLP, _MOE = Attention(), WindowAttention(), Mla(), Mlp(), MoE()
 _DELTANET = DeltaNet()
@@ -812,6 +812,12 @@ def _cached_ahead(spec: ModelSpec, moments: tuple[LayerMoment, ...],
     last are not rebuilt yet (traced: transformers' DeepSeek-V3 narrowed, bf16, 2 x 256
     tokens, the shared MLP's four outputs kept: 262,144 B at the rerun's unsort, which set
     the backward's peak, -1.59% before)."""
+    if any(i.repeat > 1 for i in kept):
+        # an MoE loop's rerun at the expert before the last's combine: the last expert's
+        # kept outputs still in the cache (``memplan.model.moe.loop_rerun``)
+        ahead = sum(i.size_bytes // i.repeat for i in kept if i.repeat > 1)
+        return tuple(m._replace(alive_bytes=m.alive_bytes + ahead)
+                     if m.name == "moe_rerun_combine" else m for m in moments)
     if spec.moe is None or not spec.moe.shared_experts_last:
         return moments
     ahead = sum(i.size_bytes for i in kept if i.name.startswith("moe.shared."))
@@ -970,13 +976,13 @@ def _ops_forward(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         drop = dm.rows * spec.hidden_size * dm.e + mask if mask else 0
         return _OpsForward(pairs, base + dm.rows * spec.hidden_size * dm.e + late + drop, (),
                            spec.parallel_block, core, held, mask)
-    from memplan.model.moe import grouped_kept_moments
+    from memplan.model.moe import grouped_kept_moments, loop_kept_moments
 
     # an eager core (GPT-OSS's: sac_ops.eager_refusal) as in a dense layer
     pairs, core = _eager_core(spec, wl, dm, tuple(p for p in pairs if p[0] != "mlp"))
-    return _OpsForward(pairs, 0,
-                       tuple((base + value, adds)
-                             for value, adds in grouped_kept_moments(spec, dm, wl.moe_impl)),
+    kept_moments = (loop_kept_moments(spec, dm) if wl.moe_impl is MoeImpl.LOOP
+                    else grouped_kept_moments(spec, dm, wl.moe_impl))
+    return _OpsForward(pairs, 0, tuple((base + value, adds) for value, adds in kept_moments),
                        spec.parallel_block, core,
                        eager_held_item(spec, wl, dm) if core else ("", 0))
 
@@ -1025,6 +1031,8 @@ def ops_forward_peak(fw: _OpsForward, items: tuple[sac_ops.Item, ...],
         for i in kept:
             if i.name in adds:
                 at += i.size_bytes
+            elif i.repeat > 1:  # an MoE loop's: the experts' before the running one
+                at += i.size_bytes - i.size_bytes // i.repeat
         peak = max(peak, at)
     return peak
 

@@ -187,6 +187,42 @@ def grouped_kept_moments(spec: ModelSpec, dm: Dims,
             (unsort, frozenset(router | freed | shared))]
 
 
+def loop_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[str]]]:
+    """memplan's reference loop (``MoeImpl.LOOP``: memplan/profile/reference.py
+    ``MoE.forward``) in a checkpointed forward, its last expert's moments (the kept outputs
+    of the experts before it alive: ``memplan.model.layer.ops_forward_peak`` adds each
+    repeated item's earlier shares), each with the kept items of the running expert alive
+    beyond it (``memplan.model.sac_moe._loop_ops``' names; the router's logits, freed once
+    softmaxed, in all). Beside the router's fp32 probabilities, the top-k indices and cast
+    weights and the combined output (``out``, stream-sized) bound to the block's end, and
+    the expert's row and slot indices, over its r = T k / (E / ep) rows (the rank's T k
+    routed rows among its experts, balanced routing; the rows h wide, the MLP's f): at its
+    product ``flat[rows]``, the SiLU's and up projection's outputs and the product (the
+    gate's output freed by SiLU); at its down projection ``flat[rows]``, the product and
+    the output; at the weighting the down projection's output, the weights' gather and the
+    weighted rows (``flat[rows]`` freed as the expert returned); at each of the three the
+    expert before's weighted rows, bound to ``y`` until the weighting rebinds it; at
+    ``out.index_add`` (out of place) the weighted rows and the new output beside the old.
+    Traced: the reference model with a Mixtral-like block, fp32, 2 x 128 tokens, the last
+    expert's product the forward's peak, exact (tests/traced/test_sac_policy.py)."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    rows = dm.tokens * moe.top_k * dm.ep // moe.num_experts  # a local expert's
+    rh, inner = rows * h * e, rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
+    bound = (dm.tokens * moe.num_experts * FP32_BYTES + dm.rows * h * e
+             + dm.tokens * moe.top_k * (INDEX_BYTES + e) + 2 * rows * INDEX_BYTES)
+    router = {"moe.router"}
+    mlp_in = {"moe.expert.gate", "moe.expert.act", "moe.expert.up"}
+    done = mlp_in | {"moe.dispatched", "moe.expert.prod"}
+    # the expert before's weighted rows, bound to ``y`` until the weighting rebinds it
+    # (traced: fp32, rh above at each moment before the combine); none before the first
+    before = rh if moe.num_experts // dm.ep > 1 else 0
+    return [(bound + before + rh + 3 * inner, frozenset(router | {"moe.expert.gate"})),
+            (bound + before + 2 * rh + inner, frozenset(router | mlp_in)),
+            (bound + before + 2 * rh + rows * e, frozenset(router | done)),
+            (bound + dm.rows * h * e + rh,
+             frozenset(router | done | {"moe.expert.down", "moe.routing_weights"}))]
+
+
 def _clamped_kept(spec: ModelSpec) -> tuple[set[str], set[str]]:
     """GPT-OSS's clamped experts under op-level checkpointing (``sac_moe._clamped_ops``):
     the kept items alive beyond the checkpointed block's gate moment (``(up + 1) * glu``,
@@ -542,6 +578,40 @@ def grouped_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[M
                    + _grouped_locals(spec, dm) + down_biases_bytes(spec, dm))]
 
 
+# the loop's saved terms each expert makes over its own rows (``moe_terms``, loop)
+_PER_EXPERT = frozenset({"moe.token_index", "moe.dispatched", "moe.expert.gate",
+                         "moe.expert.act", "moe.expert.up", "moe.expert.prod",
+                         "moe.expert_out", "moe.routing_weights", "moe.combine_in"})
+
+
+def loop_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[Moment]:
+    """memplan's reference loop (``MoeImpl.LOOP``: memplan/profile/reference.py
+    ``MoE.forward``) rebuilt in backward: the rerun stops as the last expert's
+    ``out.index_add`` packs its inputs (the weighted rows and the rows' index, the block's
+    last saved tensors; autograd saves an op's inputs before it runs: torch/utils/
+    checkpoint.py's early stop), beside everything the block saves the combined output
+    before it (stream-sized), the router's cast top-k weights (a local, T k in the block's
+    dtype; in fp32 the renormalised weights), the running expert's ``torch.where`` output
+    (its r x 2 int64 ``nonzero``, of which the index saves the rows) and the post-attention
+    residual where no norm saves it (as ``grouped_rerun``); and the expert before's
+    ``index_add``, out of place (the output before and after it), the last expert's share
+    of the terms not rebuilt yet (its r = T k / E rows, balanced routing; under op-level
+    checkpointing its kept outputs are in the cache: ``memplan.model.layer.ops_kind``).
+    Traced: the reference model with a Mixtral-like block, bf16 and fp32, 2 x 128 tokens,
+    under full recompute and op-level checkpointing (tests/traced/test_sac_policy.py)."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    local = moe.num_experts // dm.ep  # the rank's experts, T k rows among them
+    rows = dm.tokens * moe.top_k // local
+    residual = (dm.stream(h) if spec.norm_placement.pre_norm and wl.norm_impl.upcast
+                and dm.stream_e < FP32_BYTES else 0)
+    beside = dm.tokens * moe.top_k * e + 2 * rows * INDEX_BYTES + residual
+    last = sum(t.size_bytes for t in moe_terms(spec, dm, MoeImpl.LOOP)
+               if t.name in _PER_EXPERT) // local
+    stream = dm.rows * h * e
+    return [Moment("moe_rerun", saved, stream + beside),
+            Moment("moe_rerun_combine", saved - last, 2 * stream + beside)]
+
+
 def _every_extra(spec: ModelSpec, dm: Dims) -> int:
     """Llama 4's MoE beside its saved terms at the experts' sum (Llama4TextMoe.forward): the
     router's logits (returned with the output), the experts' output over E*T rows, the
@@ -687,6 +757,8 @@ class MoE:
         bmm's unpacking started the rerun, the view's copying the expanded gradient whole
         (traced: an (E, T, h) clone before the rerun's first op). Grouped experts: the
         rerun's stop at the unsort (``grouped_rerun``)."""
+        if wl.moe_impl is MoeImpl.LOOP and not dm.compiled:
+            return loop_rerun(spec, wl, dm, total(self.saved(spec, wl, dm, Recompute.NONE)))
         if wl.moe_impl is not MoeImpl.EVERY:
             return grouped_rerun(spec, wl, dm, total(self.saved(spec, wl, dm, Recompute.NONE)))
         moe = _moe(spec)

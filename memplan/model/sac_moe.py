@@ -1,6 +1,7 @@
 """Op-level checkpointing of an MoE layer's feed-forward (``memplan.model.sac_ops``): the
-items of transformers' grouped experts (``moe_items``) and the ops of the block a policy
-counts without keeping them (``moe_policy_ops``). ``sac_ops.moe_refusal`` says which MoE
+items of transformers' grouped experts and of memplan's reference loop (``moe_items``;
+``_loop_ops``: each expert's ops once per expert, ``Item.repeat``) and the ops of the block
+a policy counts without keeping them (``moe_policy_ops``). ``sac_ops.moe_refusal`` says which MoE
 blocks are modelled.
 """
 
@@ -32,7 +33,10 @@ def moe_items(spec: ModelSpec, dm: Dims, terms: dict[str, int],
     experts' grouped gate/up projection (``moe.expert.gate``, ``.up``: one tensor), their
     SiLU and product, and their grouped down projection (``moe.expert_out``, which the
     routing weights' product saves: the rerun reaches it, unlike a dense MLP's). FLOPs per
-    token of the layer: each token's k routed rows."""
+    token of the layer: each token's k routed rows. ``impl`` loop: memplan's reference loop
+    (``_loop_items``)."""
+    if impl is MoeImpl.LOOP:
+        return _loop_items(spec, dm, terms, seen)
     seen = dict(seen)
     out: list[Item] = []
     for name, op, width, covers, size, flops, own in _moe_ops(spec, dm, terms, impl):
@@ -269,9 +273,89 @@ def _gate_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int]
 def moe_policy_ops(spec: ModelSpec, dm: Dims,
                    impl: MoeImpl = MoeImpl.GROUPED) -> list[tuple[str, int]]:
     """The (family, width) of the MoE block's ops no item keeps that a policy counts
-    (``_moe_ops``, as ``impl`` writes them)."""
+    (``_moe_ops``, as ``impl`` writes them; the loop's, each expert's once per expert:
+    ``_loop_ops``)."""
+    if impl is MoeImpl.LOOP:
+        router, expert = _loop_ops(spec, dm, _ZERO)
+        return ([(op, width) for name, op, width, *_ in router if not name]
+                + [(op, width) for name, op, width, *_ in expert if not name]
+                * loop_experts(spec, dm))
     return [(op, width) for name, op, width, *_ in _moe_ops(spec, dm, _ZERO, impl)
             if not name]
+
+
+def loop_experts(spec: ModelSpec, dm: Dims) -> int:
+    """How many experts the loop runs on this rank (``MoESpec.num_experts`` over ep)."""
+    assert spec.moe is not None
+    return spec.moe.num_experts // dm.ep
+
+
+def _loop_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
+              ) -> tuple[list[tuple[str, str, int, tuple[str, ...], int, float, bool]],
+                         list[tuple[str, str, int, tuple[str, ...], int, float, bool]]]:
+    """memplan's reference loop (``MoeImpl.LOOP``: memplan/profile/reference.py
+    ``MoE.forward``) as (the router's ops, one expert's ops), ``_moe_ops``' tuples. The
+    router: ``self.router(flat)`` (``aten.mm``, E wide; ``addmm`` with ``router_bias``:
+    saved by no one, kept it skips its rerun), below fp32 ``F.softmax(..., dtype=float32)``'s
+    cast of the logits (width E) and the softmax (``moe.router_probs``), ``topk`` and the
+    renormalising sum and division (no op a policy counts), below fp32 ``.to(x.dtype)`` of
+    the weights (width k); ``torch.zeros_like``. Then each expert in turn over its rows
+    (``torch.where(chosen == e)``: ``nonzero``, no op a policy counts): ``flat[rows]``
+    (``aten.index``, width h: ``moe.dispatched``), its MLP (MLP.forward: the gate
+    projection, SiLU, the up projection, their product, the down projection:
+    ``moe.expert_out``, saved by the weighting), ``weights[rows, slot, None]`` (``aten.
+    index`` of the unsqueezed (T, k, 1) weights: width 1, ``moe.routing_weights``), the
+    weighting (``aten.mul``, width h: ``moe.combine_in``, which ``index_add`` saves) and
+    ``out.index_add(0, rows, y)`` (none counted). Traced on CPU, bf16 and fp32 (tests/traced/
+    test_sac_policy.py). Sizes: each term over all routed rows (T k), the experts' shares
+    together (``Item.repeat``); FLOPs per token: each token's k rows."""
+    moe = spec.moe
+    assert moe is not None
+    h, e, E, k = spec.hidden_size, dm.e, moe.num_experts, moe.top_k
+    f = moe.expert_ffn_hidden_size // dm.experts().tp
+    low = e < FP32_BYTES
+
+    def item(name: str, op: str, width: int, flops: float, own: bool = False,
+             covers: str = "") -> tuple:
+        covers = covers or name
+        return (name, op, width, (covers,), terms[covers], flops, own)
+
+    router = ([("moe.router", MATMUL, E, (), dm.tokens * E * e,
+                2.0 * h * E + (2.0 * E if moe.router_bias else 0.0), True)]
+              + [("", COPY, E, (), 0, 0.0, False)] * low
+              + [item("moe.router_probs", SOFTMAX, E, float(E))]
+              + [("", COPY, k, (), 0, 0.0, False)] * low)
+    expert = [item("moe.dispatched", INDEX, h, 0.0),
+              item("moe.expert.gate", MATMUL, f, k * 2.0 * h * f, own=True),
+              item("moe.expert.act", ACTIVATION, f, float(k * f)),
+              item("moe.expert.up", MATMUL, f, k * 2.0 * h * f),
+              item("moe.expert.prod", PRODUCT, f, float(k * f)),
+              item("moe.expert.down", MATMUL, h, k * 2.0 * h * f, covers="moe.expert_out"),
+              item("moe.routing_weights", INDEX, 1, 0.0),
+              item("moe.combine_in", PRODUCT, h, float(k * h))]
+    return router, expert
+
+
+def _loop_items(spec: ModelSpec, dm: Dims, terms: dict[str, int],
+                seen: dict[tuple[str, int], int]) -> tuple[Item, ...]:
+    """The loop's items (``_loop_ops``), counted after ``seen``: the router's once, each
+    expert op's once per expert (``loop_experts``), its first index after ``seen`` and the
+    next ``stride`` on, ``stride`` how many ops of its family and width one expert runs."""
+    router, expert = _loop_ops(spec, dm, terms)
+    n = loop_experts(spec, dm)
+    seen = dict(seen)
+    stride: dict[tuple[str, int], int] = {}
+    for _, op, width, *_ in expert:
+        stride[(op, width)] = stride.get((op, width), 0) + 1
+    out: list[Item] = []
+    for ops, repeat in ((router, 1), (expert, n)):
+        for name, op, width, covers, size, flops, own in ops:
+            nth = seen.get((op, width), 0)
+            seen[(op, width)] = nth + 1
+            if name:
+                out.append(Item(name, covers, size, flops, op, width, nth, "mlp", own,
+                                repeat, stride[(op, width)] if repeat > 1 else 0))
+    return tuple(out)
 
 
 class _Zero(dict):

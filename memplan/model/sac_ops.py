@@ -40,8 +40,8 @@ tensors cannot be kept under autocast (``kept_refusal``). torch 2.13 calls the p
 forward only; the rerun looks each op's output up by its index among the calls of that op.
 
 Modelled for pre-norm layers (attention with SDPA's fused kernel or an eager core and an MLP, or
-an MoE block as
-transformers' grouped experts run it: ``memplan.model.sac_moe``), without LoRA or
+an MoE block as transformers' grouped experts or memplan's reference loop run it:
+``memplan.model.sac_moe``), without LoRA or
 torch.compile: ``ops_refusal`` names the rest. Dense layers with sandwich norms (Gemma 2 / 3:
 models/gemma2/modeling_gemma2.py Gemma2DecoderLayer.forward, a norm on each mixer's output
 before the residual add) or post norms alone (OLMo 2: models/olmo2/modeling_olmo2.py
@@ -135,7 +135,10 @@ class Item(NamedTuple):
     core's matmuls, one per element of an elementwise op); ``op``, ``width`` and ``nth``: the
     kind of op, its output's last dimension and which of the layer's ops of that kind and
     width it is, in execution order (how a policy recognises it); ``block``: the block that
-    runs it; ``own_extra``: kept, it adds to its own block's working set."""
+    runs it; ``own_extra``: kept, it adds to its own block's working set; ``repeat``: how
+    many times the layer runs the op (an MoE loop's expert op, once per expert:
+    ``memplan.model.sac_moe._loop_ops``), the sizes and FLOPs those runs' together, the
+    k-th run's index ``nth + k * stride``."""
 
     name: str
     terms: tuple[str, ...]
@@ -146,6 +149,12 @@ class Item(NamedTuple):
     nth: int
     block: str
     own_extra: bool
+    repeat: int = 1
+    stride: int = 0
+
+    def indices(self) -> tuple[int, ...]:
+        """The op's index among the layer's ops of its family and width, each run's."""
+        return tuple(self.nth + k * self.stride for k in range(self.repeat))
 
 
 def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
@@ -269,19 +278,24 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     gated, stacked, bias-free experts behind a softmax router (Mixtral's), DeepSeek-V3's
     sigmoid router or a top-k softmax router (Granite's: ``memplan.model.sac_moe.
     _topk_softmax_ops``; GPT-OSS's, with its bias), and GPT-OSS's biased experts with their
-    clamped SwiGLU (``memplan.model.sac_moe._clamped_ops``). Experts as wide as the hidden
-    size or a head only where every product of that width is counted
-    (``_norm_products_counted``)."""
+    clamped SwiGLU (``memplan.model.sac_moe._clamped_ops``); and for memplan's reference
+    loop (``MoeImpl.LOOP``: ``memplan.model.sac_moe._loop_ops``, fixed counts once every
+    expert receives a row) of gated experts behind the reference's softmax router, without
+    shared experts. Experts as wide as the hidden size or a head only where every product
+    of that width is counted (``_norm_products_counted``)."""
     moe = spec.moe
     assert moe is not None
     checks = (
         (wl.moe_impl is MoeImpl.EVERY,
          "moe_impl every (Llama 4's Llama4TextMoe.forward: the input repeated per expert, "
          "two batched matmuls over every token, not named op by op; modelled for "
-         "transformers' grouped experts, moe_impl grouped)"),
-        (not wl.moe_impl.grouped,
-         f"moe_impl {wl.moe_impl.value} (its op counts follow the routing; modelled for "
-         "transformers' grouped experts, moe_impl grouped)"),
+         "transformers' grouped experts, moe_impl grouped, and the loop)"),
+        (wl.moe_impl is MoeImpl.PARALLEL,
+         "moe_impl parallel (its op counts follow the routing: one F.linear per expert "
+         "over its split; modelled for transformers' grouped experts, moe_impl grouped, "
+         "and the loop)"),
+        (wl.moe_impl is MoeImpl.LOOP and loop_refusal(spec, wl) is not None,
+         loop_refusal(spec, wl) or ""),
         (moe.router_fp32 and not moe.shared_experts_last,
          "an fp32 softmax router (Hunyuan's; DeepSeek-V3's sigmoid router is modelled)"),
         (moe.clamped_swiglu and not spec.mlp_bias,
@@ -295,6 +309,35 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          "experts as wide as the hidden size or a head (their products share its width)"),
     )
     return next((f"MoE layers with {why}" for cond, why in checks if cond), None)
+
+
+def loop_refusal(spec: ModelSpec, wl: Workload) -> str | None:
+    """Why memplan's reference loop (``MoeImpl.LOOP``: memplan/profile/reference.py
+    ``MoE.forward``) is not named op by op for ``spec``, or None. Its router is a softmax
+    in fp32 of one linear, the top-k renormalised and cast to the block's dtype, whatever
+    the spec's router fields say (so the router variants transformers runs, which its
+    whole-layer terms count, are refused here); its shared experts (an ungated MLP added
+    after the loop) are not counted op by op. Its counts hold where every expert receives
+    at least one routed row of each micro-batch (an expert with none skips its ops,
+    ``if rows.numel() == 0: continue``, and the indices after it shift): refused where the
+    micro-batch routes fewer rows than there are experts, so that one is certainly empty;
+    assumed otherwise (any realistic batch: thousands of rows over tens of experts)."""
+    moe = spec.moe
+    assert moe is not None
+    variants = (moe.router_fp32 or moe.router_topk_softmax or moe.router_weights_cast
+                or moe.router_norm_clamped or moe.router_logits_fp32
+                or moe.router_logits_held)
+    rows = wl.micro_batch_size * wl.seq_len * moe.top_k
+    checks = ((moe.num_shared_experts > 0, "shared experts"),
+              (rows < moe.num_experts,
+               f"{rows} routed rows a micro-batch for {moe.num_experts} experts (one "
+               "receives none and skips its ops)"),
+              (variants, "a router other than a softmax over one linear (Mixtral's)"),
+              (moe.clamped_swiglu, "GPT-OSS's clamped SwiGLU"))
+    why = next((why for cond, why in checks if cond), None)
+    return None if why is None else (
+        f"moe_impl loop and {why} (the loop is modelled as memplan/profile/reference.py "
+        "MoE.forward runs Mixtral-like blocks: memplan.model.sac_moe._loop_ops)")
 
 
 def _norm_products_counted(spec: ModelSpec, wl: Workload) -> bool:
@@ -314,8 +357,8 @@ def check_supported(spec: ModelSpec, wl: Workload) -> None:
                           f"recompute ops with {why}: op-level checkpointing is modelled for "
                           "pre-, sandwich and post-norm and parallel layers with SDPA, eager "
                           "or MLA attention (or LFM2's short convolutions, Granite 4.0-H's "
-                          "Mamba2 layers) and a dense MLP or transformers' grouped experts, "
-                          "without LoRA or compile")
+                          "Mamba2 layers) and a dense MLP, transformers' grouped experts or "
+                          "the reference loop, without LoRA or compile")
 
 
 def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
@@ -643,7 +686,7 @@ def counts(ops: tuple[Item, ...]) -> dict[tuple[str, int], int]:
     seen: dict[tuple[str, int], int] = {}
     for i in ops:
         if i.op != NORM:
-            seen[(i.op, i.width)] = seen.get((i.op, i.width), 0) + 1
+            seen[(i.op, i.width)] = seen.get((i.op, i.width), 0) + i.repeat
     return seen
 
 

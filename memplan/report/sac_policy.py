@@ -82,7 +82,8 @@ def _norms(kept: tuple[Item, ...]) -> list[str]:
 
 
 def _save_set(kept: tuple[Item, ...]) -> str:
-    save = sorted((i.op, i.width, i.nth) for i in kept if i.op != NORM)
+    # (an MoE loop's expert op: each expert's run, ``Item.indices``)
+    save = sorted((i.op, i.width, n) for i in kept if i.op != NORM for n in i.indices())
     return "{" + ", ".join(map(repr, save)) + "}" if save else "set()"
 
 
@@ -90,7 +91,8 @@ def _counts(items: tuple[Item, ...], unkept: tuple[tuple[str, int], ...]
             ) -> dict[tuple[str, int], int]:
     """How many ops of each (family, width) one layer runs that the policy counts."""
     out: dict[tuple[str, int], int] = {}
-    for op, width in [(i.op, i.width) for i in items if i.op != NORM] + list(unkept):
+    for op, width in [(i.op, i.width) for i in items if i.op != NORM
+                      for _ in range(i.repeat)] + list(unkept):
         out[(op, width)] = out.get((op, width), 0) + 1
     return out
 
@@ -116,6 +118,11 @@ def torch_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...
     note = ("# Not expressible, recomputed instead: " + ", ".join(missing) + " (a norm's saved "
             "tensors come from elementwise ops that differ by implementation).\n"
             if missing else "")
+    if any(i.repeat > 1 for i in items):
+        note += ("# The MoE experts run one after another (memplan/profile/reference.py "
+                 "MoE.forward): the\n# counts assume every expert receives at least one row "
+                 "of each micro-batch (an\n# expert with none skips its ops and the indices "
+                 "after it shift).\n")
     names = ", ".join(i.name for i in kept if i.op != NORM) or "nothing but the layer input"
     if differ:
         names += f" (layers {', '.join(map(str, differ))} their own: LAYER_SAVE)"

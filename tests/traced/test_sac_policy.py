@@ -1334,3 +1334,53 @@ def test_emitted_policy_on_falcon_h1_gated_norm(precision: str, seq: int, toy: s
     _assert_rows_within(result.rows)
     row = result.row("activations_bytes")
     assert row.estimated_bytes == row.measured_bytes, row
+
+
+# memplan's reference loop (moe_impl loop, the catalog MoE models' default: memplan/profile/
+# reference.py MoE.forward, one expert after another) in a Mixtral-like toy: tiny with 4
+# experts of 96, top-2, a 16-token vocabulary, real CPU tensors (the routing reads values). Each
+# expert's ops counted once per expert (memplan.model.sac_moe._loop_ops, Item.repeat). The
+# routing is forced balanced (each expert 2 x 128 x 2 / 4 = 128 rows, as memplan takes it): a
+# forward hook on each router adds 1e4 to the logits of experts t mod 4 and t + 1 mod 4 for row
+# t (its add, zeros_like and scatter are ops no policy counts; 2 KiB transient). Before,
+# refused ("moe_impl loop (its op counts follow the routing ...)"). Measured: saved
+# activations and every forward exact; backward within 0.13% (the rerun's last index_add:
+# memplan.model.moe.loop_rerun; before it, without that moment, -1.68% keeping the MLP)
+LOOP_MOE = _variant(name="tiny-moe-loop", vocab_size=16,
+                    moe={"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 96})
+LOOP_GRID = [("bf16-pure", ""), ("bf16-pure", "mlp"), ("bf16-pure", "attention"),
+             ("fp32", "moe.expert.gate,moe.router,attn.q"), ("fp32", "mlp")]
+
+
+def _balanced_routing(monkeypatch) -> None:
+    from memplan.profile import reference
+
+    init = reference.MoE.__init__
+
+    def patched(self, spec, opts, device):
+        init(self, spec, opts, device)
+        k = spec.moe.top_k
+
+        def hook(module, args, out):
+            t, n = out.shape
+            slots = (torch.arange(t, device=out.device)[:, None]
+                     + torch.arange(k, device=out.device)) % n
+            return out + torch.zeros_like(out).scatter(1, slots, 1e4)
+
+        self.router.register_forward_hook(hook)
+
+    monkeypatch.setattr(reference.MoE, "__init__", patched)
+
+
+@pytest.mark.parametrize(("precision", "save"), LOOP_GRID,
+                         ids=[f"{p}-{s or 'input'}" for p, s in LOOP_GRID])
+def test_emitted_policy_on_the_reference_moe_loop(precision: str, save: str,
+                                                  monkeypatch) -> None:
+    _balanced_routing(monkeypatch)
+    wl = make_workload(LOOP_MOE, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="ops", recompute_save=save)
+    assert wl.moe_impl.value == "loop"
+    result = compare(LOOP_MOE, make_layout(1), wl, fake=False)
+    saved = result.row("activations_bytes")
+    assert saved.estimated_bytes == saved.measured_bytes, saved
+    _assert_rows_within(result.rows)

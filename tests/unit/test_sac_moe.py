@@ -168,12 +168,74 @@ def test_moe_rerun_flops_by_hand() -> None:
 
 
 @pytest.mark.parametrize(("fields", "why"), [
-    (dict(moe_impl="loop"), "moe_impl loop"),
-    (dict(), "moe_impl loop"),
+    (dict(moe_impl="parallel"), "moe_impl parallel"),
+    (dict(moe_impl="every"), "moe_impl every"),
+    # 1 x 1 token routes k = 2 rows to 4 experts: two receive none and skip their ops
+    (dict(moe_impl="loop", seq_len=1, micro_batch_size=1), "2 routed rows a micro-batch"),
 ])
 def test_moe_refused_where_not_modelled(fields: dict, why: str) -> None:
     with pytest.raises(MemplanError, match=why):
-        estimate(TINY_MOE, seq_len=128, micro_batch_size=2, recompute="ops", **fields)
+        estimate(TINY_MOE, **{"seq_len": 128, "micro_batch_size": 2, **fields},
+                 recompute="ops")
+
+
+def test_loop_items_by_hand() -> None:
+    """memplan's reference loop (``moe_impl loop``, the default: memplan/profile/reference.py
+    MoE.forward; ``sac_moe._loop_ops``), R = 512 routed rows over 4 experts. The router's
+    logits T*E*e = 2,048 B and fp32 softmax T*E*4 = 4,096 B, once; each expert's ops once per
+    expert (``repeat`` 4), their bytes over all R rows: the gathered rows ``flat[rows]``
+    R*h*e = 65,536, gate, SiLU, up, product R*f*e = 98,304 each, the down projection's output
+    65,536, the weights' gather ``weights[rows, slot, None]`` (width 1) R*e = 1,024 and the
+    weighted rows 65,536. Indices: the expert's first gather of width h is the layer's 1st;
+    its gate and up the 1st and 2nd 96-wide matmuls, 2 an expert (``stride``); its down the
+    layer's 3rd 64-wide matmul (after q and the output projection; k and v are 32 wide); its
+    weighting the 5th 64-wide product (after the two upcast RMSNorms' two each). FLOPs per
+    token: router 2*h*E = 512, softmax E = 4, gate, up and down k*2*h*f = 24,576, SiLU and
+    product k*f = 192, the weighting k*h = 128."""
+    moe = {i.name: (i.size_bytes, i.flops_per_token, i.op, i.width, i.nth, i.repeat, i.stride)
+           for i in _items(moe_impl="loop", precision="bf16-pure") if i.block == "mlp"}
+    assert moe == {
+        "moe.router": (2_048, 512.0, "matmul", 4, 0, 1, 0),
+        "moe.router_probs": (4_096, 4.0, "softmax", 4, 0, 1, 0),
+        "moe.dispatched": (65_536, 0.0, "index", 64, 0, 4, 1),
+        "moe.expert.gate": (98_304, 24_576.0, "matmul", 96, 0, 4, 2),
+        "moe.expert.act": (98_304, 192.0, "act", 96, 0, 4, 1),
+        "moe.expert.up": (98_304, 24_576.0, "matmul", 96, 1, 4, 2),
+        "moe.expert.prod": (98_304, 192.0, "mul", 96, 0, 4, 1),
+        "moe.expert.down": (65_536, 24_576.0, "matmul", 64, 2, 4, 1),
+        "moe.routing_weights": (1_024, 0.0, "index", 1, 0, 4, 1),
+        "moe.combine_in": (65_536, 128.0, "mul", 64, 4, 4, 1)}
+
+
+def test_loop_policy_names_each_expert() -> None:
+    """The emitted policy keeps each expert's run of a kept op: the up projection is the
+    2nd, 4th, 6th and 8th 96-wide matmul (indices 1, 3, 5, 7); per layer it counts 8 of
+    them, 4 SiLUs, 4 gathers of width h and of width 1, and in bf16 the router's two casts
+    (its logits to fp32, width E = 4; the top-k weights back, width k = 2). Kept, the up
+    projections add R*f*e = 98,304 B a layer beyond full recompute (2 layers)."""
+    from memplan.report.sac_policy import _save_set
+
+    items = _items(moe_impl="loop", precision="bf16-pure")
+    up = tuple(i for i in items if i.name == "moe.expert.up")
+    assert _save_set(up) == "{('matmul', 96, 1), ('matmul', 96, 3), ('matmul', 96, 5), " \
+        "('matmul', 96, 7)}"
+    counts = _policy_ops(TINY_MOE, "loop")
+    assert [counts[k] for k in (("matmul", 96), ("act", 96), ("index", 64), ("index", 1),
+                                ("copy", 4), ("copy", 2))] == [8, 4, 4, 4, 1, 1]
+    full = _stage(recompute="full", moe_impl="loop", precision="bf16-pure").activations_bytes
+    kept = _stage(recompute="ops", recompute_save="moe.expert.up", moe_impl="loop",
+                  precision="bf16-pure").activations_bytes
+    assert kept - full == 2 * 98_304
+
+
+def test_loop_refused_with_what_the_reference_does_not_run() -> None:
+    """The reference loop runs a softmax over one linear and no shared expert op by op."""
+    for update, why in (({"num_shared_experts": 1, "shared_expert_ffn_hidden_size": 128},
+                         "moe_impl loop and shared experts"),
+                        ({"router_weights_cast": True}, "moe_impl loop and a router")):
+        spec = TINY_MOE.model_copy(update={"moe": TINY_MOE.moe.model_copy(update=update)})
+        with pytest.raises(MemplanError, match=why):
+            estimate(spec, seq_len=128, micro_batch_size=2, moe_impl="loop", recompute="ops")
 
 
 SHARED = TINY_MOE.model_copy(update={"name": "tiny-moe-shared", "moe": TINY_MOE.moe.model_copy(
