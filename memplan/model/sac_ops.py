@@ -316,8 +316,8 @@ def loop_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     ``MoE.forward``) is not named op by op for ``spec``, or None. Its router is a softmax
     in fp32 of one linear, the top-k renormalised and cast to the block's dtype, whatever
     the spec's router fields say (so the router variants transformers runs, which its
-    whole-layer terms count, are refused here); its shared experts (an ungated MLP added
-    after the loop) are not counted op by op. Its counts hold where every expert receives
+    whole-layer terms count, are refused here); its shared experts (one MLP of the experts' kind,
+    the shared experts' widths together, added after the loop) are not counted op by op. Its counts hold where every expert receives
     at least one routed row of each micro-batch (an expert with none skips its ops,
     ``if rows.numel() == 0: continue``, and the indices after it shift): refused where the
     micro-batch routes fewer rows than there are experts, so that one is certainly empty;
