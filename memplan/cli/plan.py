@@ -122,6 +122,8 @@ def plan(
     if html is not None:
         write_html(html, "plan", out, _text(result, model, job, top, imported, found))
     if quiet and not json_out:
+        for note in result.notes:  # stdout keeps its one line
+            typer.echo(f"memplan: note: {note}", err=True)
         if result.candidates:
             from memplan.report.plan import best_line
             from memplan.spec import ModelSpec, load_model

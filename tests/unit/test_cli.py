@@ -738,6 +738,19 @@ def test_plan_quiet_is_the_fastest_candidate_in_one_line() -> None:
             f"{best['step_time_s']:.2f} s") in quiet, quiet
 
 
+def test_plan_quiet_keeps_its_line_and_says_what_it_searched_instead() -> None:
+    """``plan --quiet --recompute auto`` on a model whose layers are not modelled op by op
+    (falcon-h1's default einsum scan): stdout the one line, the note naming the kernel and
+    the whole levels searched instead on stderr."""
+    result = CliRunner().invoke(app, ["plan", "-m", "falcon-h1-0.5b", "-n", "8",
+                                      "--recompute", "auto", "--quiet"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.count("\n") == 1 and result.stdout.startswith("FITS: "), result.stdout
+    assert result.stderr.startswith("memplan: note: recompute ops:"), result.stderr
+    assert "torch-einsum" in result.stderr
+    assert "searched the whole recompute levels" in result.stderr
+
+
 def test_plan_quiet_when_nothing_fits_says_why_exit_1() -> None:
     """Nothing fits: nothing on stdout, the reason on stderr, exit 1 (as without --quiet)."""
     result = CliRunner().invoke(app, ["plan", "-m", "llama-3-70b", "-n", "1", "--quiet"])
