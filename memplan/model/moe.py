@@ -208,19 +208,29 @@ def loop_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[st
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     rows = dm.tokens * moe.top_k * dm.ep // moe.num_experts  # a local expert's
     rh, inner = rows * h * e, rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
-    bound = (dm.tokens * moe.num_experts * FP32_BYTES + dm.rows * h * e
-             + dm.tokens * moe.top_k * (INDEX_BYTES + e) + 2 * rows * INDEX_BYTES)
+    bound, before = _loop_locals(spec, dm, rows)
     router = {"moe.router"}
     mlp_in = {"moe.expert.gate", "moe.expert.act", "moe.expert.up"}
     done = mlp_in | {"moe.dispatched", "moe.expert.prod"}
-    # the expert before's weighted rows, bound to ``y`` until the weighting rebinds it
-    # (traced: fp32, rh above at each moment before the combine); none before the first
-    before = rh if moe.num_experts // dm.ep > 1 else 0
     return [(bound + before + rh + 3 * inner, frozenset(router | {"moe.expert.gate"})),
             (bound + before + 2 * rh + inner, frozenset(router | mlp_in)),
             (bound + before + 2 * rh + rows * e, frozenset(router | done)),
             (bound + dm.rows * h * e + rh,
              frozenset(router | done | {"moe.expert.down", "moe.routing_weights"}))]
+
+
+def _loop_locals(spec: ModelSpec, dm: Dims, rows: int) -> tuple[int, int]:
+    """The reference loop's tensors beside its running expert's own, over that expert's
+    ``rows`` (memplan/profile/reference.py ``MoE.forward``): bound to the block's end, the
+    router's fp32 probabilities, the combined output (``out``, stream-sized), the top-k
+    indices and cast weights, and the expert's row and slot indices (``torch.where``); and
+    the expert before's weighted rows, bound to ``y`` until the running expert's weighting
+    rebinds it (none on a rank of one expert). Traced: the reference model with a
+    Mixtral-like block, fp32, 2 x 128 tokens (tests/traced/test_sac_policy.py)."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    bound = (dm.tokens * moe.num_experts * FP32_BYTES + dm.rows * h * e
+             + dm.tokens * moe.top_k * (INDEX_BYTES + e) + 2 * rows * INDEX_BYTES)
+    return bound, (rows * h * e if moe.num_experts // dm.ep > 1 else 0)
 
 
 def _clamped_kept(spec: ModelSpec) -> tuple[set[str], set[str]]:
@@ -716,15 +726,10 @@ class MoE:
                                          if f8 else 0))]
         rows_e = dm.tokens * moe.top_k // moe.num_experts
         inner = rows_e * moe.expert_ffn_hidden_size // dm.experts().tp * e
-        # the expert before's weighted rows, bound to ``y`` until this expert's weighting
-        # rebinds it; none before the first. Bound to the block's end: the top-k indices and
-        # the cast weights; the running expert's row and slot indices (``loop_kept_moments``)
-        before = rows_e * h * e if moe.num_experts // dm.ep > 1 else 0
-        bound = dm.tokens * moe.top_k * (INDEX_BYTES + e) + 2 * rows_e * INDEX_BYTES
+        bound, before = _loop_locals(spec, dm, rows_e)
         expert = before + rows_e * h * e + max(rows_e * h * e + inner,
                                                (3 if spec.mlp.gated else 2) * inner)
-        return [Moment("mlp", 0, dm.tokens * moe.num_experts * FP32_BYTES + stream + bound
-                       + expert)]
+        return [Moment("mlp", 0, bound + expert)]
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:
