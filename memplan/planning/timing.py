@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from memplan.choices import PlainEnum
 from memplan.hardware import GpuSpec
 from memplan.model.flops import head_flops_per_token, layer_flops
+from memplan.model.layer import float8_gather_saving
 from memplan.model.mtp import mtp_flops_per_token, mtp_layer_index
 from memplan.model.optimizer import optimizer_policy
 from memplan.model.pipeline import stage_layers
@@ -467,7 +468,8 @@ def _moe_layers_before(spec: ModelSpec) -> tuple[int, ...]:
     return tuple(accumulate((spec.is_moe_layer(i) for i in range(spec.num_layers)), initial=0))
 
 
-def dp_parts(wl: Workload, gpu: GpuSpec, c: Columns) -> tuple[Any, Any, Any, Any]:
+def dp_parts(spec: ModelSpec, wl: Workload, gpu: GpuSpec,
+             c: Columns) -> tuple[Any, Any, Any, Any]:
     """Seconds of data-parallel communication in one step: (the gradients' reduction once
     per step, their reduction in every micro-batch, the weights' all-gather after the
     optimizer step, ZeRO-3's gathers for every micro-batch's forward and backward).
@@ -483,7 +485,8 @@ def dp_parts(wl: Workload, gpu: GpuSpec, c: Columns) -> tuple[Any, Any, Any, Any
     ``1 / dp_shard`` share of the gradients over the whole data-parallel span (PyTorch FSDP2
     HSDP: reduce-scatter then all-reduce, _fsdp_collectives.py foreach_reduce). ZeRO-3
     gathers the weights in the dtype it computes in (fp32 under autocast) for every
-    micro-batch, forward and backward."""
+    micro-batch, forward and backward; with FSDP2's float8 all-gather the decoder layers'
+    converted linears travel in one byte an element (``float8_gathered_saving``)."""
     where = c.ops.where
     shard = c.shard * c.cp  # ranks of one shard group (CP folded in, as in memory)
     replicas = c.dp // c.shard
@@ -509,9 +512,23 @@ def dp_parts(wl: Workload, gpu: GpuSpec, c: Columns) -> tuple[Any, Any, Any, Any
     reduce = where(each, 0.0, where(zero, sharded, plain))
     reduce_each = where(each, sharded * c.m, 0.0)
     gather = where(zero, _ring(shard) * weight_bytes / inside + lat_shard, 0.0)
+    gathered = weight_bytes - float8_gathered_saving(spec, wl, c)
     gathers = where(c.zero >= ZeroStage.PARAMETERS,
-                    2 * c.m * (_ring(shard) * weight_bytes / inside + lat_shard), 0.0)
+                    2 * c.m * (_ring(shard) * gathered / inside + lat_shard), 0.0)
     return reduce, reduce_each, gather, gathers
+
+
+def float8_gathered_saving(spec: ModelSpec, wl: Workload, c: Columns) -> Any:
+    """Bytes fewer each ZeRO-3 all-gather of the busiest rank moves when FSDP2 gathers the
+    float8 linears' weights in float8 (``float8_all_gather``; torchao ``float8/fsdp_utils.py``
+    ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` casts the shard and sends its
+    float8 data): each of its decoder layers' converted linears one byte an element instead
+    of the unsharded dtype's (``memplan.model.layer.float8_gather_saving``, the bytes the
+    memory model gathers fewer), the embedding, head and norms as before. 0 without."""
+    if not wl.float8_all_gather:
+        return 0
+    e = wl.precision.policy.unsharded.itemsize
+    return c.ops.per_value(lambda t: float8_gather_saving(spec, int(t), e), c.tp) * c.layers
 
 
 def cp_parts(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> tuple[Any, Any]:
@@ -567,7 +584,7 @@ def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dic
     # the MLP's), 2 ring passes each, or its two all-gather + reduce-scatter pairs, are 4 of
     # the layer's 8 units: 8 -> 12 per recomputed layer
     out["tp"] = (tp_bytes / _bandwidth(gpu, c, c.tp) + tp_latency) * (1.0 + 4.0 / 8.0 * c.rerun)
-    out["dp"] = sum(dp_parts(wl, gpu, c))
+    out["dp"] = sum(dp_parts(spec, wl, gpu, c))
     # PP: each micro-batch's activations cross each boundary forward and their gradients back,
     # once per model chunk: interleaving multiplies the sends by vpp (Narayanan et al. 2021,
     # section 2.2.2: "the amount of communication also increases by v").
@@ -890,7 +907,7 @@ def _windowed(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns, comm: dic
     where = c.ops.where
     backward_share = 2.0 / 3.0 * model_flops / hardware_flops  # of the step's compute
     per_mb = compute / c.m
-    reduce, reduce_each, gather, gathers = dp_parts(wl, gpu, c)
+    reduce, reduce_each, gather, gathers = dp_parts(spec, wl, gpu, c)
     units = c.layers + 2  # a collective per unit: each layer's, the embedding's, the head's
     dp = dp_exposed(reduce, reduce_each, gather, gathers, units=units, compute=compute,
                     per_mb=per_mb, backward_share=backward_share, where=where)

@@ -270,3 +270,23 @@ def test_full_recompute_reruns_the_forwards_tensor_parallel_collectives():
     assert tp(recompute="full") == pytest.approx(1.5 * base)
     assert tp(recompute="full", recompute_layers=16) == pytest.approx(1.25 * base)
     assert tp(recompute="selective") == pytest.approx(base)
+
+
+def test_float8_all_gather_moves_the_converted_linears_in_one_byte() -> None:
+    """FSDP2's float8 all-gather (torchao fsdp_pre_all_gather sends the float8 data): Llama
+    3.1 8B's decoder linears, per layer q and o 4096 x 4096, k and v 4096 x 1024, gate, up and
+    down 4096 x 14336, = 218,103,808 elements, travel in 1 byte instead of bf16's 2: 32 layers
+    x 218,103,808 = 6,979,321,856 bytes fewer per gather. ZeRO-3 on 8 GPUs (NVLink, 450 GB/s)
+    gathers forward and backward of each of 4 micro-batches: 2 x 4 x 7/8 of those bytes fewer
+    over 450 GB/s; the gradients' reduce-scatter unchanged."""
+    spec = memplan.load_model("llama-3.1-8b")
+    gpu = memplan.load_gpu("h100")
+    par = memplan.make_layout(8, zero=3)
+    kw = dict(seq_len=8192, micro_batch_size=1, precision="fsdp-bf16", float8="tensorwise")
+    plain = comm_seconds(spec, gpu, par, memplan.make_workload(spec, **kw), 4, spec.num_params)
+    fp8 = comm_seconds(spec, gpu, par, memplan.make_workload(spec, float8_all_gather=True, **kw),
+                       4, spec.num_params)
+    assert plain["dp"] - fp8["dp"] == pytest.approx(2 * 4 * 7 / 8 * 6_979_321_856 / 450e9,
+                                                    rel=1e-9)
+    assert {k: v for k, v in plain.items() if k != "dp"} == \
+        {k: v for k, v in fp8.items() if k != "dp"}
