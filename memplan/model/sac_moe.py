@@ -1,8 +1,8 @@
 """Op-level checkpointing of an MoE layer's feed-forward (``memplan.model.sac_ops``): the
 items of transformers' grouped experts and of memplan's reference loop (``moe_items``;
-``_loop_ops``: each expert's ops once per expert, ``Item.repeat``) and the ops of the block
-a policy counts without keeping them (``moe_policy_ops``). ``sac_ops.moe_refusal`` says which MoE
-blocks are modelled.
+``_loop_ops``: each expert's ops once per expert, ``Item.repeat``, then its shared MLP's
+once) and the ops of the block a policy counts without keeping them (``moe_policy_ops``).
+``sac_ops.moe_refusal`` says which MoE blocks are modelled.
 """
 
 from __future__ import annotations
