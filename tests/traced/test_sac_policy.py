@@ -1411,20 +1411,27 @@ def test_full_recompute_on_the_reference_moe_loop(monkeypatch) -> None:
 LOOP_SHARED = _variant(LOOP_MOE, name="tiny-moe-loop-shared",
                        moe={**LOOP_MOE.moe.model_dump(), "num_shared_experts": 2,
                             "shared_expert_ffn_hidden_size": 48})
-LOOP_SHARED_GRID = [("bf16-pure", ""), ("bf16-pure", "mlp"),
-                    ("bf16-pure", "moe.shared.gate,moe.shared.up"),
-                    ("fp32", "moe.shared.prod,moe.expert.gate,attn.q")]
+# one shared expert of 128 (a width of its own) that the spec says runs last: the reference
+# runs it after the loop either way (memplan.model.moe.shared_after)
+LOOP_SHARED_LAST = _variant(LOOP_MOE, name="tiny-moe-loop-shared-last",
+                            moe={**LOOP_MOE.moe.model_dump(), "num_shared_experts": 1,
+                                 "shared_expert_ffn_hidden_size": 128,
+                                 "shared_experts_last": True})
+LOOP_SHARED_GRID = [(LOOP_SHARED, "bf16-pure", ""), (LOOP_SHARED, "bf16-pure", "mlp"),
+                    (LOOP_SHARED, "bf16-pure", "moe.shared.gate,moe.shared.up"),
+                    (LOOP_SHARED, "fp32", "moe.shared.prod,moe.expert.gate,attn.q"),
+                    (LOOP_SHARED_LAST, "bf16-pure", "moe.shared.act,moe.expert.down")]
 
 
-@pytest.mark.parametrize(("precision", "save"), LOOP_SHARED_GRID,
-                         ids=[f"{p}-{s or 'input'}" for p, s in LOOP_SHARED_GRID])
+@pytest.mark.parametrize(("spec", "precision", "save"), LOOP_SHARED_GRID,
+                         ids=[f"{m.name}-{p}-{s or 'input'}" for m, p, s in LOOP_SHARED_GRID])
 def test_emitted_policy_on_the_reference_moe_loop_with_shared_experts(
-        precision: str, save: str, monkeypatch) -> None:
+        spec: ModelSpec, precision: str, save: str, monkeypatch) -> None:
     _balanced_routing(monkeypatch)
-    wl = make_workload(LOOP_SHARED, seq_len=128, micro_batch_size=2, precision=precision,
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision=precision,
                        recompute="ops", recompute_save=save)
     assert wl.moe_impl.value == "loop"
-    result = compare(LOOP_SHARED, make_layout(1), wl, fake=False)
+    result = compare(spec, make_layout(1), wl, fake=False)
     for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
         row = result.row(name)
         assert row.estimated_bytes == row.measured_bytes, row
