@@ -800,11 +800,12 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
                          forward_peak_bytes=peak, forward_blocks=(),
                          moments=_cached_at_rerun(spec, wl, dm,
                                                   _clamped_rerun(spec, dm, _cached_ahead(
-                                                      spec, full.moments, kept), items, kept),
+                                                      spec, wl, full.moments, kept), items,
+                                                      kept),
                                                   items, kept))
 
 
-def _cached_ahead(spec: ModelSpec, moments: tuple[LayerMoment, ...],
+def _cached_ahead(spec: ModelSpec, wl: Workload, moments: tuple[LayerMoment, ...],
                   kept: tuple[sac_ops.Item, ...]) -> tuple[LayerMoment, ...]:
     """The fully recomputed layer's backward ``moments`` with the kept outputs the rerun
     has not reached yet: alive from the forward (the checkpoint's cache) at the grouped
@@ -812,10 +813,12 @@ def _cached_ahead(spec: ModelSpec, moments: tuple[LayerMoment, ...],
     last are not rebuilt yet (traced: transformers' DeepSeek-V3 narrowed, bf16, 2 x 256
     tokens, the shared MLP's four outputs kept: 262,144 B at the rerun's unsort, which set
     the backward's peak, -1.59% before)."""
-    if any(i.repeat > 1 for i in kept):
+    if wl.moe_impl is MoeImpl.LOOP:
         # an MoE loop's rerun at the expert before the last's combine: the last expert's
-        # kept outputs still in the cache (``memplan.model.moe.loop_rerun``)
-        ahead = sum(i.size_bytes // i.repeat for i in kept if i.repeat > 1)
+        # kept outputs and the shared MLP's, which runs after the loop, still in the cache
+        # (``memplan.model.moe.loop_rerun``)
+        ahead = sum(i.size_bytes // i.repeat for i in kept if i.repeat > 1) + sum(
+            i.size_bytes for i in kept if i.name.startswith("moe.shared."))
         return tuple(m._replace(alive_bytes=m.alive_bytes + ahead)
                      if m.name == "moe_rerun_combine" else m for m in moments)
     if spec.moe is None or not spec.moe.shared_experts_last:

@@ -212,11 +212,31 @@ def loop_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[st
     router = {"moe.router"}
     mlp_in = {"moe.expert.gate", "moe.expert.act", "moe.expert.up"}
     done = mlp_in | {"moe.dispatched", "moe.expert.prod"}
+    loop = router | done | {"moe.expert.down", "moe.routing_weights"}
     return [(bound + before + rh + 3 * inner, frozenset(router | {"moe.expert.gate"})),
             (bound + before + 2 * rh + inner, frozenset(router | mlp_in)),
             (bound + before + 2 * rh + rows * e, frozenset(router | done)),
-            (bound + dm.rows * h * e + rh,
-             frozenset(router | done | {"moe.expert.down", "moe.routing_weights"}))]
+            (bound + dm.rows * h * e + rh, frozenset(loop))] + _loop_shared_kept(
+                spec, dm, bound, loop)
+
+
+def _loop_shared_kept(spec: ModelSpec, dm: Dims, bound: int, loop: set[str]
+                      ) -> list[tuple[int, frozenset[str]]]:
+    """The reference loop's shared MLP in a checkpointed forward (``_loop_shared_moments``:
+    at its product, its down projection and ``out + shared``, beside ``bound``), each with the
+    kept items alive beyond it: every expert's (``loop``: the experts' kept outputs all made
+    by then; the last expert's weighted rows are ``y``, which the moments hold, so of
+    ``moe.combine_in`` only the experts before's shares: ``layer.ops_forward_peak``) and the
+    shared MLP's own the checkpointed forward had freed: at the product its gate
+    projection's output (freed by SiLU), at the down projection also the SiLU's and up
+    projection's outputs, at the sum also the product. None without shared experts."""
+    if not _moe(spec).num_shared_experts:
+        return []
+    prod, down, add = _loop_shared_moments(spec, dm)
+    gate = {"moe.shared.gate"}
+    inputs = gate | {"moe.shared.act", "moe.shared.up"}
+    return [(bound + prod, frozenset(loop | gate)), (bound + down, frozenset(loop | inputs)),
+            (bound + add, frozenset(loop | inputs | {"moe.shared.prod"}))]
 
 
 def _loop_locals(spec: ModelSpec, dm: Dims, rows: int) -> tuple[int, int]:
@@ -231,6 +251,33 @@ def _loop_locals(spec: ModelSpec, dm: Dims, rows: int) -> tuple[int, int]:
     bound = (dm.tokens * moe.num_experts * FP32_BYTES + dm.rows * h * e
              + dm.tokens * moe.top_k * (INDEX_BYTES + e) + 2 * rows * INDEX_BYTES)
     return bound, (rows * h * e if moe.num_experts // dm.ep > 1 else 0)
+
+
+def _loop_shared_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int, int]:
+    """The reference loop's shared MLP (memplan/profile/reference.py ``MoE.forward``: ``out =
+    out + self.shared(flat)`` after the loop; ``MLP.forward``: ``self.down(self._act(self.
+    gate(x)) * self.up(x))``) run without saving, beside the loop's locals (``_loop_locals``'
+    bound ones) and the last expert's weighted rows (``y``, r h, bound to the block's end):
+    at its product the activation, the up projection's output and the product (the gate's
+    output freed by the activation; ungated, the up projection's and the activation's
+    outputs), at its down projection the product and the output, at ``out + shared`` the
+    shared output and the new sum beside the old ``out`` (T rows, the shared experts' widths
+    together over TP; (0, 0, 0) without shared experts). Traced: the reference model with a
+    Mixtral-like block and two shared experts, fp32, 2 x 128 tokens, under full recompute
+    (tests/traced/test_sac_policy.py)."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    if not moe.num_shared_experts:
+        return 0, 0, 0
+    rows = dm.tokens * moe.top_k * dm.ep // moe.num_experts
+    y = rows * h * e
+    inner = dm.tokens * moe.num_shared_experts * moe.shared_expert_ffn_hidden_size // dm.tp * e
+    stream = dm.rows * h * e
+    return (y + (3 if spec.mlp.gated else 2) * inner, y + inner + stream, y + 2 * stream)
+
+
+def _loop_shared_working(spec: ModelSpec, dm: Dims) -> int:
+    """The largest of the loop's shared MLP moments (``_loop_shared_moments``)."""
+    return max(_loop_shared_moments(spec, dm))
 
 
 def _clamped_kept(spec: ModelSpec) -> tuple[set[str], set[str]]:
@@ -273,9 +320,10 @@ def _gated_shared_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[Backward
             for m in _unsort(spec, dm, saved - gated)]
 
 
-def _shared_last_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
+def _shared_last_backward(spec: ModelSpec, dm: Dims, saved: int,
+                          impl: MoeImpl = MoeImpl.GROUPED) -> list[BackwardMoment]:
     """The shared experts' MLP backward where they ran after the routed experts
-    (``shared_experts_last``), so before the routed experts' backward: an MLP backward over
+    (``shared_after``), so before the routed experts' backward: an MLP backward over
     the T tokens (its down projection's, its activation's, its input projection's) beside
     everything the block saved, the routed experts' terms all alive (traced: transformers
     5.23's granitemoeshared under full recompute, where the rerun rebuilt them all: the
@@ -293,15 +341,17 @@ def _shared_last_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[Backwar
     shared output_linear's weight gradient alive at the shared product's backward, the
     step's backward peak)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
-    if not (moe.num_shared_experts and moe.shared_experts_last):
+    if not shared_after(spec, impl):
         return []
     ffn = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
-    shared, _ = _shared_ran_first(spec, dm)
+    shared, _ = _shared_ran_first(spec, dm, impl)
     linears = mlp.mlp_linears(spec, ffn)
     down, inputs = linear.params(linears[-1:], dm.tp), linear.params(linears[:-1], dm.tp)
     moments = mlp.backward_moments(
         spec, dm, saved=saved, freed=mlp.dropout_mask_bytes(spec, dm), run_tokens=dm.tokens,
-        ffn=ffn, grad_inputs=dm.rows * h * e, fresh=0, fused_in=spec.fused_gate_up,
+        # (the reference loop's MLP runs gate and up apart whatever ``fused_gate_up`` says)
+        ffn=ffn, grad_inputs=dm.rows * h * e, fresh=0,
+        fused_in=spec.fused_gate_up and impl is not MoeImpl.LOOP,
         in_saved=saved - shared)
     scaled = dm.rows * h * e if spec.scaled_residual else 0
     names = {"mlp_out": "moe_shared_out", "mlp": "moe_shared"}
@@ -329,6 +379,24 @@ def shared_last_groups(spec: ModelSpec, t: int, groups: dict[str, int]) -> dict[
             "mlp_out": groups["mlp_out"] + every - down}
 
 
+# the groups the loop's expert moments name once the shared MLP's backward ran before them
+_AFTER_SHARED = {"mlp_out": "moe_after_shared"}
+
+
+def _loop_shared_groups(spec: ModelSpec, t: int, groups: dict[str, int]) -> dict[str, int]:
+    """The shared experts' gradient groups as the reference loop runs them, after the routed
+    experts whatever the spec's order (``shared_after``): ``moe_shared_out``, ``moe_shared``
+    (``shared_last_groups``) and ``moe_after_shared``, the experts' down projections with
+    all the shared MLP's, which the loop's expert moments name (``_AFTER_SHARED``); none
+    without shared experts."""
+    if not _moe(spec).num_shared_experts:
+        return {}
+    shared = _shared_linears(spec)
+    down, every = linear.params(shared[-1:], t), linear.params(shared, t)
+    return {"moe_shared_out": down, "moe_shared": every,
+            "moe_after_shared": groups["mlp_out"] + every - down}
+
+
 def _shared_last_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
     """Grouped experts before their shared experts (DeepseekV3MoE.forward, Glm4MoeMoE,
     Dots1MoE: ``hidden_states + self.shared_experts(residuals)``): the shared MLP was made
@@ -353,15 +421,26 @@ def _shared_last_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardM
             for m in _unsort(spec, dm, saved - shared)]
 
 
-def _shared_ran_first(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
-    """(the shared experts' saved terms, their input's gradient) where they ran after the
-    routed experts (``shared_experts_last``: DeepseekV3MoE.forward, GraniteMoeSharedDecoder
-    Layer.forward's moe_hidden_states + self.shared_mlp(hidden_states)), so their backward
-    ran before the routed experts': by the experts' MLP backward their terms are freed and
-    their input's gradient (T h) waits to be summed with the experts' (traced: transformers
-    5.23's granitemoeshared, its experts grouped); (0, 0) otherwise."""
+def shared_after(spec: ModelSpec, impl: MoeImpl) -> bool:
+    """Whether the block runs its shared experts after the routed experts: where the spec
+    says so (``shared_experts_last``: DeepseekV3MoE.forward, GraniteMoeSharedDecoderLayer.
+    forward), and always in memplan's reference loop (``MoeImpl.LOOP``: memplan/profile/
+    reference.py ``MoE.forward``, ``out = out + self.shared(flat)`` after the expert loop),
+    whatever order the spec's own code runs them in."""
     moe = _moe(spec)
-    if not (moe.num_shared_experts and moe.shared_experts_last):
+    return bool(moe.num_shared_experts) and (moe.shared_experts_last or impl is MoeImpl.LOOP)
+
+
+def _shared_ran_first(spec: ModelSpec, dm: Dims,
+                      impl: MoeImpl = MoeImpl.GROUPED) -> tuple[int, int]:
+    """(the shared experts' saved terms, their input's gradient) where they ran after the
+    routed experts (``shared_after``: DeepseekV3MoE.forward, GraniteMoeSharedDecoder
+    Layer.forward's moe_hidden_states + self.shared_mlp(hidden_states), the reference loop),
+    so their backward ran before the routed experts': by the experts' MLP backward their
+    terms are freed and their input's gradient (T h) waits to be summed with the experts'
+    (traced: transformers 5.23's granitemoeshared, its experts grouped); (0, 0) otherwise."""
+    moe = _moe(spec)
+    if not shared_after(spec, impl):
         return 0, 0
     shared = total(mlp.mlp_terms("moe.shared", spec, dm, moe.num_shared_experts
                                  * moe.shared_expert_ffn_hidden_size, dm.tokens))
@@ -607,8 +686,12 @@ def loop_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[Mome
     ``index_add``, out of place (the output before and after it), the last expert's share
     of the terms not rebuilt yet (its r = T k / E rows, balanced routing; under op-level
     checkpointing its kept outputs are in the cache: ``memplan.model.layer.ops_kind``).
-    Traced: the reference model with a Mixtral-like block, bf16 and fp32, 2 x 128 tokens,
-    under full recompute and op-level checkpointing (tests/traced/test_sac_policy.py)."""
+    With shared experts (run after the loop: ``shared_after``) the rerun runs on to the
+    shared MLP and stops as its down projection packs the product, the loop's output
+    (stream-sized) and the same locals beside everything saved; at the last combine the
+    shared MLP's terms are not rebuilt yet. Traced: the reference model with a Mixtral-like
+    block, bf16 and fp32, 2 x 128 tokens, under full recompute and op-level checkpointing,
+    with and without two shared experts (tests/traced/test_sac_policy.py)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     local = moe.num_experts // dm.ep  # the rank's experts, T k rows among them
     rows = dm.tokens * moe.top_k // local
@@ -617,9 +700,12 @@ def loop_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[Mome
     beside = dm.tokens * moe.top_k * e + 2 * rows * INDEX_BYTES + residual
     last = sum(t.size_bytes for t in moe_terms(spec, dm, MoeImpl.LOOP)
                if t.name in _PER_EXPERT) // local
+    # the shared MLP after the loop (``shared_after``): not rebuilt at the last combine; the
+    # rerun stops at its down projection's pack, its terms then all saved
+    shared, _ = _shared_ran_first(spec, dm, MoeImpl.LOOP)
     stream = dm.rows * h * e
     return [Moment("moe_rerun", saved, stream + beside),
-            Moment("moe_rerun_combine", saved - last, 2 * stream + beside)]
+            Moment("moe_rerun_combine", saved - last - shared, 2 * stream + beside)]
 
 
 def _every_extra(spec: ModelSpec, dm: Dims) -> int:
@@ -709,7 +795,10 @@ class MoE:
         expert's weighting). Traced: the reference model with a Mixtral-like block under
         full recompute, routing held balanced, fp32 2 x 128 tokens: the forward's peak
         exact (1.1% to 2.3% under before the routing's tensors and ``y``;
-        tests/traced/test_sac_policy.py ``test_full_recompute_on_the_reference_moe_loop``)."""
+        tests/traced/test_sac_policy.py ``test_full_recompute_on_the_reference_moe_loop``).
+        With shared experts, their MLP after the loop where it is larger
+        (``_loop_shared_moments``: before, fp32 114,688 B under, -7.47% of the first step's
+        forward on the shared toy)."""
         moe, h, e = _moe(spec), spec.hidden_size, dm.e
         stream = dm.rows * h * e
         if wl.moe_impl is MoeImpl.EVERY:
@@ -729,13 +818,16 @@ class MoE:
         bound, before = _loop_locals(spec, dm, rows_e)
         expert = before + rows_e * h * e + max(rows_e * h * e + inner,
                                                (3 if spec.mlp.gated else 2) * inner)
-        return [Moment("mlp", 0, bound + expert)]
+        return [Moment("mlp", 0, bound + max(expert, _loop_shared_working(spec, dm)))]
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:
         """The loop: one expert's MLP backward at a time (the largest working set is one
         expert's); the combine's backward ran first: its weighted outputs are freed, and so is
         the output of the expert whose MLP backward is running (one expert's T*k/E rows).
+        Shared experts ran after the loop (``shared_after``): their MLP backward over the T
+        tokens first, everything saved alive (before, fp32 under full recompute on the shared
+        toy: 151,552 B under, -4.13% of the first step's backward).
         Grouped: one MLP backward over all routed rows, the experts' outputs freed by the
         weighting's backward."""
         moe, h, e = _moe(spec), spec.hidden_size, dm.e
@@ -760,11 +852,19 @@ class MoE:
             first = (_compiled_unsort(spec, dm, saved) if dm.compiled
                      else _gated_shared_unsort(spec, dm, saved))
             return _shared_last_backward(spec, dm, saved) + first + grouped
-        return mlp.backward_moments(
+        # the shared MLP ran after the loop: its backward first, then its terms are freed
+        # and its input's gradient waits (``shared_after``)
+        shared, waiting = _shared_ran_first(spec, dm, wl.moe_impl)
+        experts = mlp.backward_moments(
             spec, dm.experts(), saved=saved,
-            freed=mlp.dropout_mask_bytes(spec, dm) + routed + routed // moe.num_experts,
-            run_tokens=dm.tokens * moe.top_k // moe.num_experts,
-            ffn=moe.expert_ffn_hidden_size, grad_inputs=2 * dm.rows * h * e, fresh=0)
+            freed=mlp.dropout_mask_bytes(spec, dm) + routed + routed // moe.num_experts
+            + shared, run_tokens=dm.tokens * moe.top_k // moe.num_experts,
+            ffn=moe.expert_ffn_hidden_size, grad_inputs=2 * dm.rows * h * e + waiting,
+            fresh=0)
+        if shared:  # the shared MLP's weights' gradients exist (``shared_last_groups``)
+            experts = [m._replace(grads=tuple(_AFTER_SHARED.get(g, g) for g in m.grads))
+                       for m in experts]
+        return _shared_last_backward(spec, dm, saved, wl.moe_impl) + experts
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         """Llama 4's MoE rebuilt in backward: the rerun stops once the shared expert's last
@@ -815,7 +915,8 @@ class MoE:
             routed = linear.grad_groups([lin for lin in linears if _routed(lin)], etp, order)
             rest = linear.grad_groups([lin for lin in linears if not _routed(lin)], t, order)
             groups = {g: routed[g] + rest[g] for g in order}
-        return groups | shared_last_groups(spec, t, groups)
+        return groups | shared_last_groups(spec, t, groups) | _loop_shared_groups(spec, t,
+                                                                                  groups)
 
     def flops_per_token(self, spec: ModelSpec, seq_len: int, every: bool = False) -> float:
         """The router and shared experts, and the top-k of the routed experts; with ``every``

@@ -1,8 +1,8 @@
 """Op-level checkpointing of an MoE layer's feed-forward (``memplan.model.sac_ops``): the
 items of transformers' grouped experts and of memplan's reference loop (``moe_items``;
-``_loop_ops``: each expert's ops once per expert, ``Item.repeat``) and the ops of the block
-a policy counts without keeping them (``moe_policy_ops``). ``sac_ops.moe_refusal`` says which MoE
-blocks are modelled.
+``_loop_ops``: each expert's ops once per expert, ``Item.repeat``, then its shared MLP's
+once) and the ops of the block a policy counts without keeping them (``moe_policy_ops``).
+``sac_ops.moe_refusal`` says which MoE blocks are modelled.
 """
 
 from __future__ import annotations
@@ -276,10 +276,11 @@ def moe_policy_ops(spec: ModelSpec, dm: Dims,
     (``_moe_ops``, as ``impl`` writes them; the loop's, each expert's once per expert:
     ``_loop_ops``)."""
     if impl is MoeImpl.LOOP:
-        router, expert = _loop_ops(spec, dm, _ZERO)
+        router, expert, shared = _loop_ops(spec, dm, _ZERO)
         return ([(op, width) for name, op, width, *_ in router if not name]
                 + [(op, width) for name, op, width, *_ in expert if not name]
-                * loop_experts(spec, dm))
+                * loop_experts(spec, dm)
+                + [(op, width) for name, op, width, *_ in shared if not name])
     return [(op, width) for name, op, width, *_ in _moe_ops(spec, dm, _ZERO, impl)
             if not name]
 
@@ -292,9 +293,11 @@ def loop_experts(spec: ModelSpec, dm: Dims) -> int:
 
 def _loop_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
               ) -> tuple[list[tuple[str, str, int, tuple[str, ...], int, float, bool]],
+                         list[tuple[str, str, int, tuple[str, ...], int, float, bool]],
                          list[tuple[str, str, int, tuple[str, ...], int, float, bool]]]:
     """memplan's reference loop (``MoeImpl.LOOP``: memplan/profile/reference.py
-    ``MoE.forward``) as (the router's ops, one expert's ops), ``_moe_ops``' tuples. The
+    ``MoE.forward``) as (the router's ops, one expert's ops, the shared MLP's ops:
+    ``_loop_shared_ops``), ``_moe_ops``' tuples. The
     router: ``self.router(flat)`` (``aten.mm``, E wide; ``addmm`` with ``router_bias``:
     saved by no one, kept it skips its rerun), below fp32 ``F.softmax(..., dtype=float32)``'s
     cast of the logits (width E) and the softmax (``moe.router_probs``), ``topk`` and the
@@ -333,28 +336,61 @@ def _loop_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
               item("moe.expert.down", MATMUL, h, k * 2.0 * h * f, covers="moe.expert_out"),
               item("moe.routing_weights", INDEX, 1, 0.0),
               item("moe.combine_in", PRODUCT, h, float(k * h))]
-    return router, expert
+    return router, expert, _loop_shared_ops(spec, dm, terms)
+
+
+def _loop_shared_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
+                     ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
+    """The reference loop's shared experts (``_moe_ops``' tuples): one MLP of the experts'
+    kind, the shared experts' widths together (memplan/profile/reference.py ``MoE.__init__``:
+    ``MLP(spec, num_shared_experts * shared_expert_ffn_hidden_size)``), run after the expert
+    loop on all T tokens (``out = out + self.shared(flat)``), TP-split; ``MLP.forward``:
+    ``self.down(self._act(self.gate(x)) * self.up(x))``, so its gate projection, SiLU, up
+    projection and product (``moe.shared.gate``, ``.act``, ``.up``, ``.prod``, the names
+    transformers' shared experts' items have: ``_shared_ops``), then its down projection,
+    whose output the sum saves for no one: no item, and running last in the layer never
+    rerun (early stop, as a dense MLP's). No shared gate: the reference runs none
+    (``sac_ops.loop_refusal``). Empty without shared experts."""
+    moe = spec.moe
+    assert moe is not None
+    if not moe.num_shared_experts:
+        return []
+    h = spec.hidden_size
+    f = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size // dm.tp
+
+    def item(name: str, op: str, width: int, flops: float, own: bool = False) -> tuple:
+        return (name, op, width, (name,), terms[name], flops, own)
+
+    return [item("moe.shared.gate", MATMUL, f, 2.0 * h * f, own=True),
+            item("moe.shared.act", ACTIVATION, f, float(f)),
+            item("moe.shared.up", MATMUL, f, 2.0 * h * f),
+            item("moe.shared.prod", PRODUCT, f, float(f)),
+            ("", MATMUL, h, (), 0, 0.0, False)]
 
 
 def _loop_items(spec: ModelSpec, dm: Dims, terms: dict[str, int],
                 seen: dict[tuple[str, int], int]) -> tuple[Item, ...]:
     """The loop's items (``_loop_ops``), counted after ``seen``: the router's once, each
     expert op's once per expert (``loop_experts``), its first index after ``seen`` and the
-    next ``stride`` on, ``stride`` how many ops of its family and width one expert runs."""
-    router, expert = _loop_ops(spec, dm, terms)
+    next ``stride`` on, ``stride`` how many ops of its family and width one expert runs;
+    the shared MLP's once, after every expert's ops."""
+    router, expert, shared = _loop_ops(spec, dm, terms)
     n = loop_experts(spec, dm)
     seen = dict(seen)
     stride: dict[tuple[str, int], int] = {}
     for _, op, width, *_ in expert:
         stride[(op, width)] = stride.get((op, width), 0) + 1
     out: list[Item] = []
-    for ops, repeat in ((router, 1), (expert, n)):
+    for ops, repeat in ((router, 1), (expert, n), (shared, 1)):
         for name, op, width, covers, size, flops, own in ops:
             nth = seen.get((op, width), 0)
             seen[(op, width)] = nth + 1
             if name:
                 out.append(Item(name, covers, size, flops, op, width, nth, "mlp", own,
                                 repeat, stride[(op, width)] if repeat > 1 else 0))
+        if repeat > 1:  # the other experts' runs of each family and width
+            for key, count in stride.items():
+                seen[key] += count * (repeat - 1)
     return tuple(out)
 
 

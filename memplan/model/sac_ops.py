@@ -280,9 +280,10 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     _topk_softmax_ops``; GPT-OSS's, with its bias), and GPT-OSS's biased experts with their
     clamped SwiGLU (``memplan.model.sac_moe._clamped_ops``); and for memplan's reference
     loop (``MoeImpl.LOOP``: ``memplan.model.sac_moe._loop_ops``, fixed counts once every
-    expert receives a row) of gated experts behind the reference's softmax router, without
-    shared experts. Experts as wide as the hidden size or a head only where every product
-    of that width is counted (``_norm_products_counted``)."""
+    expert receives a row) of gated experts behind the reference's softmax router, with
+    ungated shared experts after the loop. Experts as wide as the hidden size or a head only
+    where every product of that width is counted (``_norm_products_counted``); in the loop
+    the shared experts together alike (``loop_refusal``)."""
     moe = spec.moe
     assert moe is not None
     checks = (
@@ -307,6 +308,7 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (moe.expert_ffn_hidden_size in (spec.hidden_size, spec.head_dim)
          and not _norm_products_counted(spec, wl),
          "experts as wide as the hidden size or a head (their products share its width)"),
+
     )
     return next((f"MoE layers with {why}" for cond, why in checks if cond), None)
 
@@ -316,9 +318,11 @@ def loop_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     ``MoE.forward``) is not named op by op for ``spec``, or None. Its router is a softmax
     in fp32 of one linear, the top-k renormalised and cast to the block's dtype, whatever
     the spec's router fields say (so the router variants transformers runs, which its
-    whole-layer terms count, are refused here); its shared experts (one MLP of the experts' kind,
-    the shared experts' widths together, added after the loop) are not counted op by op. Its counts hold where every expert receives
-    at least one routed row of each micro-batch (an expert with none skips its ops,
+    whole-layer terms count, are refused here); its shared experts are one MLP of the
+    experts' kind, the shared experts' widths together, run after the loop whatever the
+    spec's order (``memplan.model.sac_moe._loop_shared_ops``), ungated (a shared-expert gate,
+    whose terms the whole layer counts, is refused). Its counts hold where every expert
+    receives at least one routed row of each micro-batch (an expert with none skips its ops,
     ``if rows.numel() == 0: continue``, and the indices after it shift): refused where the
     micro-batch routes fewer rows than there are experts, so that one is certainly empty;
     assumed otherwise (any realistic batch: thousands of rows over tens of experts)."""
@@ -328,7 +332,13 @@ def loop_refusal(spec: ModelSpec, wl: Workload) -> str | None:
                 or moe.router_norm_clamped or moe.router_logits_fp32
                 or moe.router_logits_held)
     rows = wl.micro_batch_size * wl.seq_len * moe.top_k
-    checks = ((moe.num_shared_experts > 0, "shared experts"),
+    checks = ((moe.num_shared_experts > 0 and moe.shared_expert_gate,
+               "a shared-expert gate (Qwen2-MoE's sigmoid shared_expert_gate, which the "
+               "reference does not run)"),
+              (moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
+               in (spec.hidden_size, spec.head_dim) and not _norm_products_counted(spec, wl),
+               "shared experts as wide as the hidden size or a head (their product shares "
+               "the norms' width; not traced)"),
               (rows < moe.num_experts,
                f"{rows} routed rows a micro-batch for {moe.num_experts} experts (one "
                "receives none and skips its ops)"),

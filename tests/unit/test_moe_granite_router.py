@@ -96,10 +96,12 @@ def test_shared_mlp_weight_gradients_are_their_own_groups() -> None:
     18,432 = 43,008; ``mlp`` all: the router (4 x 64 = 256), the experts' gate/up (4 x 64 x
     192 = 49,152) and down, and the shared MLP: 92,416. Without the shared MLP ``mlp_out``
     is the experts' down projections alone, ``mlp`` 256 + 49,152 + 24,576 = 73,984, and
-    there is no shared group."""
+    there is no shared group. ``moe_after_shared``, what the reference loop's expert
+    moments name (its shared MLP always after the loop), is 43,008 too."""
     spec, wl, dm = _setup(**SHARED)
     assert MoE().grad_groups(spec, 1, 1) == {"mlp_out": 43_008, "mlp": 92_416,
-                                            "moe_shared_out": 6_144, "moe_shared": 18_432}
+                                            "moe_shared_out": 6_144, "moe_shared": 18_432,
+                                            "moe_after_shared": 43_008}
     moments = {m.name: m for m in MoE().backward_moments(spec, wl, dm, wl.recompute)}
     assert [(moments[n].grads, moments[n].fresh_params)
             for n in ("moe_shared", "moe_shared_act", "moe_shared_in")] == [

@@ -229,13 +229,71 @@ def test_loop_policy_names_each_expert() -> None:
 
 
 def test_loop_refused_with_what_the_reference_does_not_run() -> None:
-    """The reference loop runs a softmax over one linear and no shared expert op by op."""
-    for update, why in (({"num_shared_experts": 1, "shared_expert_ffn_hidden_size": 128},
-                         "moe_impl loop and shared experts"),
+    """The reference loop runs a softmax over one linear and no shared-expert gate; shared
+    experts as wide as the hidden size share the norms' products' width."""
+    shared = {"num_shared_experts": 1, "shared_expert_ffn_hidden_size": 128}
+    for update, why in (({**shared, "shared_expert_gate": True},
+                         "moe_impl loop and a shared-expert gate"),
+                        ({**shared, "shared_expert_ffn_hidden_size": 64},
+                         "shared experts as wide as the hidden size"),
                         ({"router_weights_cast": True}, "moe_impl loop and a router")):
         spec = TINY_MOE.model_copy(update={"moe": TINY_MOE.moe.model_copy(update=update)})
         with pytest.raises(MemplanError, match=why):
             estimate(spec, seq_len=128, micro_batch_size=2, moe_impl="loop", recompute="ops")
+
+
+LOOP_SHARED = TINY_MOE.model_copy(update={"name": "tiny-moe-loop-shared",
+                                          "moe": TINY_MOE.moe.model_copy(update={
+                                              "num_shared_experts": 1,
+                                              "shared_expert_ffn_hidden_size": 96})})
+
+
+def test_loop_shared_items_by_hand() -> None:
+    """The reference loop's shared MLP (memplan/profile/reference.py MoE.forward: ``out = out +
+    self.shared(flat)`` after the loop; ``sac_moe._loop_shared_ops``), f_s 96 over T = 256
+    tokens in bf16: gate, SiLU, up and product T*f_s*e = 49,152 B each, once (``repeat`` 1).
+    FLOPs per token: gate and up 2*h*f_s = 12,288, SiLU and product f_s = 96. Indices after
+    every expert's (4 experts): its gate and up the 9th and 10th 96-wide matmuls (indices 8,
+    9: each expert runs two), its SiLU the 5th 96-wide act, its product the 5th 96-wide
+    product. The policy counts per layer 10 96-wide matmuls, 5 SiLUs, 5 96-wide products and
+    7 64-wide matmuls (q, the output projection, 4 experts' and the shared down projection)."""
+    moe = {i.name: (i.size_bytes, i.flops_per_token, i.op, i.width, i.nth, i.repeat, i.stride)
+           for i in _items(LOOP_SHARED, moe_impl="loop", precision="bf16-pure")
+           if i.name.startswith("moe.shared")}
+    assert moe == {
+        "moe.shared.gate": (49_152, 12_288.0, "matmul", 96, 8, 1, 0),
+        "moe.shared.act": (49_152, 96.0, "act", 96, 4, 1, 0),
+        "moe.shared.up": (49_152, 12_288.0, "matmul", 96, 9, 1, 0),
+        "moe.shared.prod": (49_152, 96.0, "mul", 96, 4, 1, 0)}
+    counts = _policy_ops(LOOP_SHARED, "loop")
+    assert [counts[k] for k in (("matmul", 96), ("act", 96), ("mul", 96), ("matmul", 64))] \
+        == [10, 5, 5, 7]
+
+
+def test_loop_shared_forward_moments_by_hand() -> None:
+    """The checkpointed forward at the shared MLP (``moe._loop_shared_moments``), bf16, T =
+    256, r = T*k/E = 128 rows an expert: beside the last expert's weighted rows ``y`` (r*h*e =
+    16,384) at its product SiLU's, up's and the product's outputs (3*T*f_s*e = 147,456):
+    163,840; at its down projection the product and the output (49,152 + T*h*e = 32,768):
+    98,304; at ``out + shared`` the output and the new sum (2*32,768): 81,920. The loop's
+    locals bound beside them (``_loop_locals``): the fp32 probabilities T*E*4 = 4,096, ``out``
+    32,768, the top-k indices and cast weights T*k*(8 + 2) = 5,120 and the last expert's row
+    and slot indices 2*r*8 = 2,048: 44,032. The largest expert moment (its product: ``y``
+    before, ``flat[rows]``, 3*r*f*e: 16,384 + 16,384 + 73,728 = 106,496) is below the shared
+    product's, so the block's working set is 44,032 + 163,840 = 207,872. Kept, the shared
+    gate's output is alive beyond the product's moment; at the sum all four are."""
+    from memplan.model.moe import MoE, _loop_shared_moments, loop_kept_moments
+
+    wl = make_workload(LOOP_SHARED, **{**FIELDS, "moe_impl": "loop"}, precision="bf16-pure",
+                       recompute="full")
+    dm = Dims.of(LOOP_SHARED, make_layout(1), wl)
+    assert _loop_shared_moments(LOOP_SHARED, dm) == (163_840, 98_304, 81_920)
+    assert MoE().working_set(LOOP_SHARED, wl, dm)[0].transient_bytes == 207_872
+    moments = loop_kept_moments(LOOP_SHARED, dm)[-3:]
+    assert [value for value, _ in moments] == [207_872, 142_336, 125_952]
+    shared = [{n for n in adds if n.startswith("moe.shared")} for _, adds in moments]
+    assert shared == [{"moe.shared.gate"}, {"moe.shared.gate", "moe.shared.act", "moe.shared.up"},
+                      {"moe.shared.gate", "moe.shared.act", "moe.shared.up", "moe.shared.prod"}]
 
 
 SHARED = TINY_MOE.model_copy(update={"name": "tiny-moe-shared", "moe": TINY_MOE.moe.model_copy(
