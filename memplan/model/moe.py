@@ -1,5 +1,5 @@
 """The mixture-of-experts feed-forward block, with its output's dropout. Routing is taken as
-balanced: each rank's experts see T*k tokens, T*k/E each.
+balanced: each rank's experts see T*k tokens, T*k/(E/ep) each.
 
 What it saves (``Workload.moe_impl``): router probabilities (fp32), top-k indices and
 renormalised weights, the gathered rows and their index, the MLP terms over them, the experts'
@@ -684,7 +684,7 @@ def loop_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[Mome
     (its r x 2 int64 ``nonzero``, of which the index saves the rows) and the post-attention
     residual where no norm saves it (as ``grouped_rerun``); and the expert before's
     ``index_add``, out of place (the output before and after it), the last expert's share
-    of the terms not rebuilt yet (its r = T k / E rows, balanced routing; under op-level
+    of the terms not rebuilt yet (its r = T k / (E / ep) rows, balanced routing; under op-level
     checkpointing its kept outputs are in the cache: ``memplan.model.layer.ops_kind``).
     With shared experts (run after the loop: ``shared_after``) the rerun runs on to the
     shared MLP and stops as its down projection packs the product, the loop's output
@@ -787,7 +787,11 @@ class MoE:
         return moments
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
-        """Experts run one after another over their T*k/E rows, while the router's
+        """Experts run one after another over their T*k/(E/ep) rows (the rank's T*k routed
+        rows among its E/ep experts, balanced routing, as the saved terms count them; an
+        expert-parallel dispatch brings each rank the rows its experts were routed from every
+        rank of the group: Megatron-LM's MoEAlltoAllTokenDispatcher before SequentialMLP's
+        loop over the local experts), while the router's
         probabilities and the combined output accumulate for all tokens. The loop's
         (memplan/profile/reference.py ``MoE.forward``) at its running expert's peak, beside
         those: the top-k indices and cast weights, the expert's row and slot indices, its
@@ -813,7 +817,7 @@ class MoE:
             return [Moment("mlp", 0, max(*_grouped_moments(spec, dm, wl.moe_impl),
                                          dm.tokens * moe.num_experts * FP32_BYTES + stream + f8
                                          if f8 else 0))]
-        rows_e = dm.tokens * moe.top_k // moe.num_experts
+        rows_e = dm.tokens * moe.top_k * dm.ep // moe.num_experts  # a local expert's
         inner = rows_e * moe.expert_ffn_hidden_size // dm.experts().tp * e
         bound, before = _loop_locals(spec, dm, rows_e)
         expert = before + rows_e * h * e + max(rows_e * h * e + inner,
@@ -824,7 +828,8 @@ class MoE:
                          recompute: Recompute) -> list[BackwardMoment]:
         """The loop: one expert's MLP backward at a time (the largest working set is one
         expert's); the combine's backward ran first: its weighted outputs are freed, and so is
-        the output of the expert whose MLP backward is running (one expert's T*k/E rows).
+        the output of the expert whose MLP backward is running (one expert's T*k/(E/ep)
+        rows).
         Shared experts ran after the loop (``shared_after``): their MLP backward over the T
         tokens first, everything saved alive (before, fp32 under full recompute on the shared
         toy: 151,552 B under, -4.13% of the first step's backward).
@@ -857,8 +862,8 @@ class MoE:
         shared, waiting = _shared_ran_first(spec, dm, wl.moe_impl)
         experts = mlp.backward_moments(
             spec, dm.experts(), saved=saved,
-            freed=mlp.dropout_mask_bytes(spec, dm) + routed + routed // moe.num_experts
-            + shared, run_tokens=dm.tokens * moe.top_k // moe.num_experts,
+            freed=mlp.dropout_mask_bytes(spec, dm) + routed + routed * dm.ep // moe.num_experts
+            + shared, run_tokens=dm.tokens * moe.top_k * dm.ep // moe.num_experts,
             ffn=moe.expert_ffn_hidden_size, grad_inputs=2 * dm.rows * h * e + waiting,
             fresh=0)
         if shared:  # the shared MLP's weights' gradients exist (``shared_last_groups``)

@@ -164,3 +164,21 @@ def test_biased_experts_rerun_holds_the_down_biases() -> None:
         assert down_biases_bytes(spec, dm) == 65_536 and down_biases_bytes(plain, dm) == 0
         (with_bias,), (without,) = (MoE().rebuild_moments(s, wl, dm) for s in (spec, plain))
         assert with_bias.transient_bytes - without.transient_bytes == 65_536
+
+
+def test_loop_expert_rows_under_expert_parallelism() -> None:
+    """The reference loop under full recompute with ep 2: the rank's R = 512 routed rows
+    (balanced, as its saved terms count them) among its E/ep = 2 experts, r = 256 rows
+    each, not R/E = 128. Bound to the block's end: the router's probabilities T*E*4 =
+    4,096, ``out`` T*h*e = 32,768, the top-k indices and cast weights R*(8 + 2) = 5,120,
+    the expert's row and slot indices 2*r*8 = 4,096 (46,080); the expert before's
+    weighted rows r*h*e = 32,768, the running expert's gathered rows 32,768 and at its
+    product three r*f*e = 49,152 (gate freed by SiLU: SiLU, up, product): 147,456.
+    46,080 + 32,768 + 32,768 + 147,456 = 259,072 (150,528 with r = 128)."""
+    spec = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-moe",
+                                     "moe": MoESpec(**MIXTRAL_LIKE).model_dump()})
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, moe_impl="loop",
+                       precision="bf16-pure", recompute="full")
+    dm = Dims.of(spec, make_layout(2, ep=2), wl)
+    (moment,) = MoE().working_set(spec, wl, dm)
+    assert moment.transient_bytes == 259_072
