@@ -781,21 +781,22 @@ def ops_unkept(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool | None = None,
 def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -> LayerKind:
     """Op-level checkpointing (``memplan.model.sac_ops``): the fully recomputed layer, which
     also keeps the outputs its save list names; the rerun serves them from the cache, so its
-    backward is the full recompute's."""
-    full = layer_kind(spec, wl, dm, moe, Recompute.FULL, variant)
+    backward is the full recompute's. What does not read the save list (the full layer, the
+    items) is built from ``wl`` without it, so the sets a plan probes share it."""
+    base = _unsaved(wl)
+    full = _full_kind(spec, base, dm, moe, variant)
     linear = sac_ops.linear_kind(spec)
     lin = variant == "linear" and linear is not None  # (sac_ops.kind_variant)
-    items = ops_items(spec, wl, dm, moe, "linear" if lin else "")
+    items = ops_items(spec, base, dm, moe, "linear" if lin else "")
     kind = (linear if lin else "attn") if linear is not None else (
         "moe" if moe else "dense")
     if rope_normed(spec) and variant == "":  # a NoPE layer (``_layer_ops``)
-        items, kept = ops_kept(spec, wl, dm, moe, "nope", kind, wl.recompute_save)
+        items, kept = ops_kept(spec, base, dm, moe, "nope", kind, wl.recompute_save)
     else:
         kept = sac_ops.resolve(items, wl.recompute_save, spec, kind)
     sac_ops.check_kept(kept, dm)
     terms = sac_ops.kept_terms(kept)
-    peak = ops_forward_peak(_ops_forward(spec, _unsaved(wl), dm, moe,
-                                         variant), items, kept)
+    peak = ops_forward_peak(_ops_forward(spec, base, dm, moe, variant), items, kept)
     return full._replace(terms=full.terms + terms, saved_bytes=full.saved_bytes + total(terms),
                          forward_peak_bytes=peak, forward_blocks=(),
                          moments=_cached_at_rerun(spec, wl, dm,
@@ -803,6 +804,12 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
                                                       spec, wl, full.moments, kept), items,
                                                       kept),
                                                   items, kept))
+
+
+@lru_cache(maxsize=1024)
+def _full_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -> LayerKind:
+    """The fully recomputed layer ``ops_kind`` builds on (``wl`` without its save list)."""
+    return layer_kind(spec, wl, dm, moe, Recompute.FULL, variant)
 
 
 def _cached_ahead(spec: ModelSpec, wl: Workload, moments: tuple[LayerMoment, ...],
