@@ -695,11 +695,30 @@ def _set_index(ctx: _Context, fit: _Fit) -> int:
     from memplan.model.sac_ops import for_stage
 
     wl = ctx.workload(fit.policy).model_copy(update={"micro_batch_size": fit.mbs})
-    sets = frontier(ops_search_items(ctx.spec, wl, Dims.of(ctx.spec, fit.par, wl)))
-    lists = [set(for_stage(fit.policy[1], s)) for s in range(fit.par.pp)]  # type: ignore
+    index = _frontier_index(frontier(ops_search_items(ctx.spec, wl,
+                                                      Dims.of(ctx.spec, fit.par, wl))))
     # (a list per stage: every stage fits at least the smallest stage's set)
-    return min(next((i for i, c in enumerate(sets) if set(c.kept) == kept), 0)
-               for kept in lists)
+    return min(index.get(frozenset(for_stage(fit.policy[1], s)), 0)  # type: ignore[arg-type]
+               for s in range(fit.par.pp))
+
+
+_INDEXES: dict[int, tuple[tuple, dict[frozenset[str], int]]] = {}
+
+
+def _frontier_index(sets: tuple) -> dict[frozenset[str], int]:
+    """Each save set of a frontier (``save_sets.frontier``, one object per layer's items),
+    by its items, at its first position; kept per frontier object (by identity: hashing a
+    frontier of thousands of sets would cost more than the scan it saves)."""
+    got = _INDEXES.get(id(sets))
+    if got is not None and got[0] is sets:
+        return got[1]
+    index: dict[frozenset[str], int] = {}
+    for i, c in enumerate(sets):
+        index.setdefault(frozenset(c.kept), i)
+    if len(_INDEXES) >= 256:
+        del _INDEXES[next(iter(_INDEXES))]
+    _INDEXES[id(sets)] = (sets, index)  # (holding the frontier: its id stays its own)
+    return index
 
 
 def _with_save_set(ctx: _Context, fit: _Fit, known: int = 0,
