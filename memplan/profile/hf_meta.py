@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -43,7 +45,33 @@ def _cached(text: str) -> MetaBuild:
     return _build(json.loads(text))
 
 
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Third-party warnings and log records below ERROR held back while torch and
+    transformers are imported and the model is built: importing transformers' integrations
+    imports torchao where it is installed, whose import logs its unloaded CUDA extensions
+    (``torchao/__init__.py``) and torch's deprecation of ``register_constant`` on enums
+    (``torch/utils/_pytree.py``); a command's answer (an error's one line among them) is
+    memplan's own. The logging level disabled before is restored after."""
+    import logging
+    import warnings
+
+    before = logging.root.manager.disable
+    logging.disable(max(before, logging.WARNING))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(before)
+
+
 def _build(data: dict[str, Any]) -> MetaBuild:
+    with _quiet():
+        return _build_quietly(data)
+
+
+def _build_quietly(data: dict[str, Any]) -> MetaBuild:
     import torch
     import transformers
 

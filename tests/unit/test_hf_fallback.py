@@ -26,3 +26,19 @@ def test_without_transformers_one_line_names_the_type_and_the_way(monkeypatch) -
     message = str(err.value)
     assert "\n" not in message and message.startswith("cfg.json: model_type:")
     assert "'starcoder2'" in message and "pip install transformers" in message
+
+
+def test_transformers_build_keeps_third_party_logs_back(caplog) -> None:
+    """The meta build's imports and construction log nothing below ERROR to the command's
+    stream (torchao's unloaded CUDA extensions, torch's enum deprecation), and the logging
+    level disabled before is the one after."""
+    import logging
+
+    from memplan.profile import hf_meta
+
+    logging.disable(logging.NOTSET)
+    with hf_meta._quiet():
+        logging.getLogger("torchao").warning("held back")
+        assert logging.root.manager.disable == logging.WARNING
+    assert logging.root.manager.disable == logging.NOTSET
+    assert "held back" not in caplog.text
