@@ -816,9 +816,9 @@ def _cached_ahead(spec: ModelSpec, wl: Workload, moments: tuple[LayerMoment, ...
     if wl.moe_impl is MoeImpl.LOOP:
         # an MoE loop's rerun at the expert before the last's combine: the last expert's
         # kept outputs and the shared MLP's, which runs after the loop, still in the cache
-        # (``memplan.model.moe.loop_rerun``)
+        # (``memplan.model.moe.loop_rerun``), its gate's too
         ahead = sum(i.size_bytes // i.repeat for i in kept if i.repeat > 1) + sum(
-            i.size_bytes for i in kept if i.name.startswith("moe.shared."))
+            i.size_bytes for i in kept if i.name.startswith("moe.shared"))
         return tuple(m._replace(alive_bytes=m.alive_bytes + ahead)
                      if m.name == "moe_rerun_combine" else m for m in moments)
     if spec.moe is None or not spec.moe.shared_experts_last:

@@ -232,11 +232,20 @@ def _loop_shared_kept(spec: ModelSpec, dm: Dims, bound: int, loop: set[str]
     projection's outputs, at the sum also the product. None without shared experts."""
     if not _moe(spec).num_shared_experts:
         return []
-    prod, down, add = _loop_shared_moments(spec, dm)
+    prod, down, *gated, add = _loop_shared_moments(spec, dm)
     gate = {"moe.shared.gate"}
     inputs = gate | {"moe.shared.act", "moe.shared.up"}
+    made = loop | inputs | {"moe.shared.prod"}
+    if gated:
+        # the gate's product: its h -> 1 projection's output freed by the sigmoid; at the
+        # sum also the sigmoid's and the down projection's, freed by the product
+        return [(bound + prod, frozenset(loop | gate)),
+                (bound + down, frozenset(loop | inputs)),
+                (bound + gated[0], frozenset(made | {"moe.shared_gate_proj"})),
+                (bound + add, frozenset(made | {"moe.shared_gate_proj", "moe.shared_gate",
+                                                "moe.shared.down"}))]
     return [(bound + prod, frozenset(loop | gate)), (bound + down, frozenset(loop | inputs)),
-            (bound + add, frozenset(loop | inputs | {"moe.shared.prod"}))]
+            (bound + add, frozenset(made))]
 
 
 def _loop_locals(spec: ModelSpec, dm: Dims, rows: int) -> tuple[int, int]:
@@ -253,7 +262,7 @@ def _loop_locals(spec: ModelSpec, dm: Dims, rows: int) -> tuple[int, int]:
     return bound, (rows * h * e if moe.num_experts // dm.ep > 1 else 0)
 
 
-def _loop_shared_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int, int]:
+def _loop_shared_moments(spec: ModelSpec, dm: Dims) -> tuple[int, ...]:
     """The reference loop's shared MLP (memplan/profile/reference.py ``MoE.forward``: ``out =
     out + self.shared(flat)`` after the loop; ``MLP.forward``: ``self.down(self._act(self.
     gate(x)) * self.up(x))``) run without saving, beside the loop's locals (``_loop_locals``'
@@ -262,9 +271,12 @@ def _loop_shared_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int, int]:
     output freed by the activation; ungated, the up projection's and the activation's
     outputs), at its down projection the product and the output, at ``out + shared`` the
     shared output and the new sum beside the old ``out`` (T rows, the shared experts' widths
-    together over TP; (0, 0, 0) without shared experts). Traced: the reference model with a
-    Mixtral-like block and two shared experts, fp32, 2 x 128 tokens, under full recompute
-    (tests/traced/test_sac_policy.py)."""
+    together over TP; (0, 0, 0) without shared experts). With a shared-expert gate (``torch.
+    sigmoid(self.shared_gate(flat)) * shared``, Qwen2MoeSparseMoeBlock.forward's) a moment
+    before the sum: at the gate's product the shared output, the sigmoid (T x 1) and the
+    product (the gate projection's output freed by the sigmoid), then the sum as without.
+    Traced: the reference model with a Mixtral-like block and two shared experts, fp32, 2 x
+    128 tokens, under full recompute, gated and not (tests/traced/test_sac_policy.py)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     if not moe.num_shared_experts:
         return 0, 0, 0
@@ -272,7 +284,9 @@ def _loop_shared_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int, int]:
     y = rows * h * e
     inner = dm.tokens * moe.num_shared_experts * moe.shared_expert_ffn_hidden_size // dm.tp * e
     stream = dm.rows * h * e
-    return (y + (3 if spec.mlp.gated else 2) * inner, y + inner + stream, y + 2 * stream)
+    gated = (y + 2 * stream + dm.tokens * e,) if moe.shared_expert_gate else ()
+    return (y + (3 if spec.mlp.gated else 2) * inner, y + inner + stream, *gated,
+            y + 2 * stream)
 
 
 def _loop_shared_working(spec: ModelSpec, dm: Dims) -> int:

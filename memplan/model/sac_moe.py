@@ -349,8 +349,12 @@ def _loop_shared_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
     projection and product (``moe.shared.gate``, ``.act``, ``.up``, ``.prod``, the names
     transformers' shared experts' items have: ``_shared_ops``), then its down projection,
     whose output the sum saves for no one: no item, and running last in the layer never
-    rerun (early stop, as a dense MLP's). No shared gate: the reference runs none
-    (``sac_ops.loop_refusal``). Empty without shared experts."""
+    rerun (early stop, as a dense MLP's). With a shared-expert gate (``MoESpec.
+    shared_expert_gate``: the reference's ``torch.sigmoid(self.shared_gate(flat)) * shared``,
+    Qwen2MoeSparseMoeBlock.forward's) the down projection's output is saved by the gate's
+    product (``moe.shared.down``: ``moe.shared_out``), then the gate's h -> 1 projection, its
+    sigmoid (``moe.shared_gate``) and the product (width h, no item: ``_gate_ops``). Empty
+    without shared experts."""
     moe = spec.moe
     assert moe is not None
     if not moe.num_shared_experts:
@@ -361,11 +365,15 @@ def _loop_shared_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
     def item(name: str, op: str, width: int, flops: float, own: bool = False) -> tuple:
         return (name, op, width, (name,), terms[name], flops, own)
 
-    return [item("moe.shared.gate", MATMUL, f, 2.0 * h * f, own=True),
-            item("moe.shared.act", ACTIVATION, f, float(f)),
-            item("moe.shared.up", MATMUL, f, 2.0 * h * f),
-            item("moe.shared.prod", PRODUCT, f, float(f)),
-            ("", MATMUL, h, (), 0, 0.0, False)]
+    ops = [item("moe.shared.gate", MATMUL, f, 2.0 * h * f, own=True),
+           item("moe.shared.act", ACTIVATION, f, float(f)),
+           item("moe.shared.up", MATMUL, f, 2.0 * h * f),
+           item("moe.shared.prod", PRODUCT, f, float(f))]
+    if not moe.shared_expert_gate:
+        return ops + [("", MATMUL, h, (), 0, 0.0, False)]
+    return ops + [("moe.shared.down", MATMUL, h, ("moe.shared_out",), terms["moe.shared_out"],
+                   2.0 * h * f, False)] + _gate_ops(
+        spec, dm, lambda *names: sum(terms[n] for n in names))
 
 
 def _loop_items(spec: ModelSpec, dm: Dims, terms: dict[str, int],

@@ -320,8 +320,8 @@ def loop_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     the spec's router fields say (so the router variants transformers runs, which its
     whole-layer terms count, are refused here); its shared experts are one MLP of the
     experts' kind, the shared experts' widths together, run after the loop whatever the
-    spec's order (``memplan.model.sac_moe._loop_shared_ops``), ungated (a shared-expert gate,
-    whose terms the whole layer counts, is refused). Its counts hold where every expert
+    spec's order (``memplan.model.sac_moe._loop_shared_ops``), behind Qwen2-MoE's sigmoid
+    gate where the spec has one. Its counts hold where every expert
     receives at least one routed row of each micro-batch (an expert with none skips its ops,
     ``if rows.numel() == 0: continue``, and the indices after it shift): refused where the
     micro-batch routes fewer rows than there are experts, so that one is certainly empty;
@@ -332,10 +332,7 @@ def loop_refusal(spec: ModelSpec, wl: Workload) -> str | None:
                 or moe.router_norm_clamped or moe.router_logits_fp32
                 or moe.router_logits_held)
     rows = wl.micro_batch_size * wl.seq_len * moe.top_k
-    checks = ((moe.num_shared_experts > 0 and moe.shared_expert_gate,
-               "a shared-expert gate (Qwen2-MoE's sigmoid shared_expert_gate, which the "
-               "reference does not run)"),
-              (moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
+    checks = ((moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
                in (spec.hidden_size, spec.head_dim) and not _norm_products_counted(spec, wl),
                "shared experts as wide as the hidden size or a head (their product shares "
                "the norms' width; not traced)"),

@@ -1455,3 +1455,48 @@ def test_full_recompute_on_the_reference_moe_loop_with_shared_experts(
         row = result.row(name)
         assert row.estimated_bytes == row.measured_bytes, row
     _assert_rows_within(result.rows)
+
+
+# the loop's shared MLP behind Qwen2-MoE's sigmoid gate (MoESpec.shared_expert_gate; the
+# reference's ``torch.sigmoid(self.shared_gate(flat)) * shared`` after the shared MLP, as
+# Qwen2MoeSparseMoeBlock.forward: memplan.model.sac_moe._loop_shared_ops, _gate_ops). Its
+# down projection's output is saved by the gate's product (moe.shared.down), its h -> 1
+# projection and sigmoid are the layer's only ops of width 1 of their families, the product
+# the last 64-wide one. Before, refused ("a shared-expert gate ... which the reference does
+# not run")
+LOOP_GATED = _variant(LOOP_SHARED, name="tiny-moe-loop-gated",
+                      moe={**LOOP_SHARED.moe.model_dump(), "shared_expert_gate": True})
+LOOP_GATED_GRID = [("bf16-pure", ""), ("bf16-pure", "mlp"),
+                   ("bf16-pure", "moe.shared.down,moe.shared_gate"),
+                   ("fp32", "moe.shared_gate_proj,moe.shared.prod,attn.q")]
+
+
+@pytest.mark.parametrize(("precision", "save"), LOOP_GATED_GRID,
+                         ids=[f"{p}-{s or 'input'}" for p, s in LOOP_GATED_GRID])
+def test_emitted_policy_on_the_reference_moe_loop_with_a_shared_gate(
+        precision: str, save: str, monkeypatch) -> None:
+    _balanced_routing(monkeypatch)
+    wl = make_workload(LOOP_GATED, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="ops", recompute_save=save)
+    assert wl.moe_impl.value == "loop"
+    result = compare(LOOP_GATED, make_layout(1), wl, fake=False)
+    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-pure"])
+def test_full_recompute_on_the_reference_moe_loop_with_a_shared_gate(
+        precision: str, monkeypatch) -> None:
+    """The gated shared MLP after the loop under full recompute: the gate's product
+    (``moe._loop_shared_moments``) and its backward before the shared MLP's. Traced forward
+    peaks exact, every row within TOLERANCE_PCT."""
+    _balanced_routing(monkeypatch)
+    wl = make_workload(LOOP_GATED, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="full")
+    result = compare(LOOP_GATED, make_layout(1), wl, fake=False)
+    for name in ("first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)

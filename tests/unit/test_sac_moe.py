@@ -229,12 +229,10 @@ def test_loop_policy_names_each_expert() -> None:
 
 
 def test_loop_refused_with_what_the_reference_does_not_run() -> None:
-    """The reference loop runs a softmax over one linear and no shared-expert gate; shared
-    experts as wide as the hidden size share the norms' products' width."""
+    """The loop's op counts are modelled for a softmax over one linear; shared experts as
+    wide as the hidden size share the norms' products' width."""
     shared = {"num_shared_experts": 1, "shared_expert_ffn_hidden_size": 128}
-    for update, why in (({**shared, "shared_expert_gate": True},
-                         "moe_impl loop and a shared-expert gate"),
-                        ({**shared, "shared_expert_ffn_hidden_size": 64},
+    for update, why in (({**shared, "shared_expert_ffn_hidden_size": 64},
                          "shared experts as wide as the hidden size"),
                         ({"router_weights_cast": True}, "moe_impl loop and a router")):
         spec = TINY_MOE.model_copy(update={"moe": TINY_MOE.moe.model_copy(update=update)})
@@ -294,6 +292,52 @@ def test_loop_shared_forward_moments_by_hand() -> None:
     shared = [{n for n in adds if n.startswith("moe.shared")} for _, adds in moments]
     assert shared == [{"moe.shared.gate"}, {"moe.shared.gate", "moe.shared.act", "moe.shared.up"},
                       {"moe.shared.gate", "moe.shared.act", "moe.shared.up", "moe.shared.prod"}]
+
+
+LOOP_GATED = LOOP_SHARED.model_copy(update={"name": "tiny-moe-loop-gated",
+                                            "moe": LOOP_SHARED.moe.model_copy(update={
+                                                "shared_expert_gate": True})})
+
+
+def test_loop_shared_gate_items_by_hand() -> None:
+    """The reference loop's shared MLP behind Qwen2-MoE's gate (``torch.sigmoid(self.
+    shared_gate(flat)) * shared`` after the shared MLP; ``sac_moe._loop_shared_ops``), bf16,
+    T = 256, f_s 96: the shared down projection's output, saved by the gate's product,
+    T*h*e = 32,768 B (``moe.shared.down``: the layer's 7th 64-wide matmul, after q, the
+    output projection and the 4 experts' down projections; 2*h*f_s = 12,288 FLOPs a token);
+    the gate's h -> 1 projection T*1*e = 512 B (2*h = 128 FLOPs) and its sigmoid 512 B (1
+    FLOP), the layer's first ops of width 1 of their families. The policy counts per layer 7
+    64-wide matmuls and 9 64-wide products (the two upcast RMSNorms' two each, the 4
+    experts' weightings and the gate's product)."""
+    moe = {i.name: (i.size_bytes, i.flops_per_token, i.op, i.width, i.nth, i.repeat)
+           for i in _items(LOOP_GATED, moe_impl="loop", precision="bf16-pure")
+           if i.name in ("moe.shared.down", "moe.shared_gate_proj", "moe.shared_gate")}
+    assert moe == {"moe.shared.down": (32_768, 12_288.0, "matmul", 64, 6, 1),
+                   "moe.shared_gate_proj": (512, 128.0, "matmul", 1, 0, 1),
+                   "moe.shared_gate": (512, 1.0, "act", 1, 0, 1)}
+    counts = _policy_ops(LOOP_GATED, "loop")
+    assert (counts[("matmul", 64)], counts[("mul", 64)]) == (7, 9)
+
+
+def test_loop_shared_gate_forward_moments_by_hand() -> None:
+    """The gate's product in the checkpointed forward (``moe._loop_shared_moments``), bf16,
+    T = 256: beside the last expert's ``y`` (16,384) the shared output and the product (2 *
+    T*h*e = 65,536) and the sigmoid (T*e = 512): 82,432, between the down projection's
+    98,304 and the sum's 81,920 (``test_loop_shared_forward_moments_by_hand``); with the
+    loop's bound locals (44,032) 126,464. Kept, the gate projection's output is alive beyond
+    the product's moment; at the sum the sigmoid's and the down projection's too."""
+    from memplan.model.moe import _loop_shared_moments, loop_kept_moments
+
+    wl = make_workload(LOOP_GATED, **{**FIELDS, "moe_impl": "loop"}, precision="bf16-pure",
+                       recompute="full")
+    dm = Dims.of(LOOP_GATED, make_layout(1), wl)
+    assert _loop_shared_moments(LOOP_GATED, dm) == (163_840, 98_304, 82_432, 81_920)
+    moments = loop_kept_moments(LOOP_GATED, dm)[-2:]
+    assert [value for value, _ in moments] == [126_464, 125_952]
+    gate = [{n for n in adds if n.startswith("moe.shared_") or n == "moe.shared.down"}
+            for _, adds in moments]
+    assert gate == [{"moe.shared_gate_proj"},
+                    {"moe.shared_gate_proj", "moe.shared_gate", "moe.shared.down"}]
 
 
 SHARED = TINY_MOE.model_copy(update={"name": "tiny-moe-shared", "moe": TINY_MOE.moe.model_copy(
