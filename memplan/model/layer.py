@@ -45,7 +45,7 @@ from memplan.model.linear import Linear, Split, shares_input
 from memplan.model.mla import Mla, mla_linears
 from memplan.model.mlp import (Mlp, lora_working_steps, mlp_linears, rerun_pending_bytes,
                                rerun_stop_bytes, working_steps)
-from memplan.model.moe import MoE, down_biases_bytes, weights_width
+from memplan.model.moe import BEFORE_LOOP, MoE, down_biases_bytes, weights_width
 from memplan.model.short_conv import ShortConv, conv_cache_bytes, short_conv_linears
 from memplan.model.mamba import Mamba, mamba_cache_bytes, mamba_linears
 from memplan.model.mamba import kernel as mamba_kernel
@@ -1034,7 +1034,8 @@ def ops_forward_peak(fw: _OpsForward, items: tuple[sac_ops.Item, ...],
         for i in kept:
             if i.name in adds:
                 at += i.size_bytes
-            elif i.repeat > 1:  # an MoE loop's: the experts' before the running one
+            elif i.repeat > 1 and BEFORE_LOOP not in adds:
+                # an MoE loop's: the experts' before the running one
                 at += i.size_bytes - i.size_bytes // i.repeat
         peak = max(peak, at)
     return peak

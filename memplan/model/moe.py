@@ -209,15 +209,42 @@ def loop_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[st
     rows = dm.tokens * moe.top_k * dm.ep // moe.num_experts  # a local expert's
     rh, inner = rows * h * e, rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
     bound, before = _loop_locals(spec, dm, rows)
-    router = {"moe.router"}
+    # the router's logits, freed once softmaxed; an fp32 router's casts, once it ran; a top-k
+    # softmax's fp32 output below fp32, once cast to the block's dtype
+    router = {"moe.router", "moe.router_input_fp32", "moe.router_weight_fp32"} | (
+        {"moe.topk_weights"} if moe.router_topk_softmax and e < FP32_BYTES
+        and (moe.router_logits_fp32 or moe.router_fp32) else set())
     mlp_in = {"moe.expert.gate", "moe.expert.act", "moe.expert.up"}
     done = mlp_in | {"moe.dispatched", "moe.expert.prod"}
     loop = router | done | {"moe.expert.down", "moe.routing_weights"}
-    return [(bound + before + rh + 3 * inner, frozenset(router | {"moe.expert.gate"})),
+    first = _loop_router_moment(spec, dm)
+    return [(first, frozenset({BEFORE_LOOP}))] * bool(first) + [
+        (bound + before + rh + 3 * inner, frozenset(router | {"moe.expert.gate"})),
             (bound + before + 2 * rh + inner, frozenset(router | mlp_in)),
             (bound + before + 2 * rh + rows * e, frozenset(router | done)),
             (bound + dm.rows * h * e + rh, frozenset(loop))] + _loop_shared_kept(
                 spec, dm, bound, loop)
+
+
+# a moment of the loop's before its first expert ran (``loop_kept_moments``): the kept
+# experts' shares are not made yet (``memplan.model.layer.ops_forward_peak``)
+BEFORE_LOOP = "moe.loop.before"
+
+
+def _loop_router_moment(spec: ModelSpec, dm: Dims) -> int:
+    """The reference loop's fp32 router below fp32 (``MoESpec.router_fp32``: memplan/profile/
+    reference.py ``Fp32Linear.forward``, DeepseekV3TopkRouter.forward's) in a checkpointed
+    forward, at its linear: the input's fp32 copy (T h x 4 B), the weight's (E h x 4 B) and
+    a bias's (E x 4 B), and the fp32 logits (T E x 4 B); nothing of the loop's made yet (its
+    probabilities, ``out``). 0 otherwise (Mixtral's router, or fp32: the casts return their
+    input), where the experts' moments are larger. Traced: the reference model with a
+    Mixtral-like block and an fp32 router, bf16, 2 x 128 tokens
+    (tests/traced/test_sac_policy.py)."""
+    moe, h = _moe(spec), spec.hidden_size
+    if not moe.router_fp32 or dm.e >= FP32_BYTES:
+        return 0
+    E = moe.num_experts
+    return (dm.tokens * h + E * h + (E if moe.router_bias else 0) + dm.tokens * E) * FP32_BYTES
 
 
 def _loop_shared_kept(spec: ModelSpec, dm: Dims, bound: int, loop: set[str]
@@ -257,9 +284,20 @@ def _loop_locals(spec: ModelSpec, dm: Dims, rows: int) -> tuple[int, int]:
     rebinds it (none on a rank of one expert). Traced: the reference model with a
     Mixtral-like block, fp32, 2 x 128 tokens (tests/traced/test_sac_policy.py)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
-    bound = (dm.tokens * moe.num_experts * FP32_BYTES + dm.rows * h * e
+    bound = (_loop_router_bound(moe, dm) + dm.rows * h * e
              + dm.tokens * moe.top_k * (INDEX_BYTES + e) + 2 * rows * INDEX_BYTES)
     return bound, (rows * h * e if moe.num_experts // dm.ep > 1 else 0)
+
+
+def _loop_router_bound(moe: MoESpec, dm: Dims) -> int:
+    """What the reference loop's router binds to the block's end beside its top-k (memplan/
+    profile/reference.py ``MoE._route``): the fp32 probabilities of Mixtral's softmax, or
+    with a top-k softmax (``router_topk_softmax``) the fp32 logits it holds where it cast
+    them (``router_logits_fp32``: GraniteMoeMoE.forward's ``_``), none otherwise (GPT-OSS's:
+    its logits and top-k values freed by the softmax); T E x 4 B or 0."""
+    if moe.router_topk_softmax and not moe.router_logits_fp32:
+        return 0
+    return dm.tokens * moe.num_experts * FP32_BYTES
 
 
 def _loop_shared_moments(spec: ModelSpec, dm: Dims) -> tuple[int, ...]:
@@ -711,7 +749,9 @@ def loop_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[Mome
     rows = dm.tokens * moe.top_k // local
     residual = (dm.stream(h) if spec.norm_placement.pre_norm and wl.norm_impl.upcast
                 and dm.stream_e < FP32_BYTES else 0)
-    beside = dm.tokens * moe.top_k * e + 2 * rows * INDEX_BYTES + residual
+    # a top-k softmax's held fp32 logits, bound, not saved (``_loop_router_bound``)
+    held = _loop_router_bound(moe, dm) if moe.router_topk_softmax else 0
+    beside = dm.tokens * moe.top_k * e + 2 * rows * INDEX_BYTES + residual + held
     last = sum(t.size_bytes for t in moe_terms(spec, dm, MoeImpl.LOOP)
                if t.name in _PER_EXPERT) // local
     # the shared MLP after the loop (``shared_after``): not rebuilt at the last combine; the
@@ -836,7 +876,8 @@ class MoE:
         bound, before = _loop_locals(spec, dm, rows_e)
         expert = before + rows_e * h * e + max(rows_e * h * e + inner,
                                                (3 if spec.mlp.gated else 2) * inner)
-        return [Moment("mlp", 0, bound + max(expert, _loop_shared_working(spec, dm)))]
+        return [Moment("mlp", 0, max(bound + max(expert, _loop_shared_working(spec, dm)),
+                                     _loop_router_moment(spec, dm)))]
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:

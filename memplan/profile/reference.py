@@ -214,8 +214,8 @@ class Fp32Linear(nn.Linear):
     the linear saves; its logits fp32. A module, so that forward hooks see its logits."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), self.weight.float(), bias)
+        x, weight = x.float(), self.weight.float()  # (the casts in this order)
+        return F.linear(x, weight, None if self.bias is None else self.bias.float())
 
 
 class MoE(nn.Module):

@@ -1500,3 +1500,109 @@ def test_full_recompute_on_the_reference_moe_loop_with_a_shared_gate(
         row = result.row(name)
         assert row.estimated_bytes == row.measured_bytes, row
     _assert_rows_within(result.rows)
+
+
+# a router that casts its top-k weights to the block's dtype (MoESpec.router_weights_cast:
+# Qwen2-/Qwen3-MoE's TopKRouter.forward in transformers 5.23, ERNIE's, Granite's): the cast
+# the reference's router makes whatever the spec says (``.to(x.dtype)``, memplan/profile/
+# reference.py MoE._route), so its ops and terms are Mixtral's; alone (Qwen3-MoE's) and with
+# the gated shared MLP (Qwen1.5-MoE's, Qwen3-Next's). Before, refused ("a router other than a
+# softmax over one linear")
+LOOP_CAST_GRID = [(LOOP_MOE, "bf16-pure", "moe.router_probs,moe.expert.up"),
+                  (LOOP_GATED, "bf16-pure", "moe.routing_weights,moe.shared_gate")]
+
+
+@pytest.mark.parametrize(("spec", "precision", "save"), LOOP_CAST_GRID,
+                         ids=[f"{m.name}-{p}-{s}" for m, p, s in LOOP_CAST_GRID])
+def test_emitted_policy_on_the_reference_moe_loop_with_cast_weights(
+        spec: ModelSpec, precision: str, save: str, monkeypatch) -> None:
+    _balanced_routing(monkeypatch)
+    spec = _variant(spec, name=f"{spec.name}-cast",
+                    moe={**spec.moe.model_dump(), "router_weights_cast": True})
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="ops", recompute_save=save)
+    result = compare(spec, make_layout(1), wl, fake=False)
+    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
+# the loop behind an fp32 router (MoESpec.router_fp32: the reference's Fp32Linear, F.linear
+# on fp32 copies of the input and the weight as DeepseekV3TopkRouter.forward; memplan.model.
+# sac_moe._loop_fp32_casts), alone and, as DeepSeek-V3's and GLM-4.5's, with a shared expert
+# the spec runs last. Below fp32 its two casts are the layer's 64-wide copies after the
+# norm's. Before, refused ("a router other than a softmax over one linear")
+LOOP_FP32 = _variant(LOOP_MOE, name="tiny-moe-loop-fp32-router",
+                     moe={**LOOP_MOE.moe.model_dump(), "router_fp32": True})
+LOOP_FP32_LAST = _variant(LOOP_SHARED_LAST, name="tiny-moe-loop-fp32-router-shared-last",
+                          moe={**LOOP_SHARED_LAST.moe.model_dump(), "router_fp32": True})
+LOOP_FP32_GRID = [(LOOP_FP32, "bf16-pure", ""), (LOOP_FP32, "bf16-pure", "mlp"),
+                  (LOOP_FP32, "bf16-pure", "moe.router_input_fp32,moe.expert.gate"),
+                  (LOOP_FP32, "fp32", "moe.router,moe.router_probs"),
+                  (LOOP_FP32_LAST, "bf16-pure", "moe.router_weight_fp32,moe.shared.up")]
+
+
+@pytest.mark.parametrize(("spec", "precision", "save"), LOOP_FP32_GRID,
+                         ids=[f"{m.name}-{p}-{s or 'input'}" for m, p, s in LOOP_FP32_GRID])
+def test_emitted_policy_on_the_reference_moe_loop_with_an_fp32_router(
+        spec: ModelSpec, precision: str, save: str, monkeypatch) -> None:
+    _balanced_routing(monkeypatch)
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="ops", recompute_save=save)
+    result = compare(spec, make_layout(1), wl, fake=False)
+    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
+# the loop behind a router that softmaxes its top-k logits (MoESpec.router_topk_softmax: the
+# reference's MoE._route): GPT-OSS's (GptOssTopKRouter.forward: biased, the softmax of the k
+# in the logits' dtype, no cast) and Granite's (GraniteMoeTopKRouter.forward: the logits cast
+# to fp32 and held to the block's end, router_logits_fp32; the softmax's output cast back,
+# router_weights_cast), the latter also with a shared expert the spec runs last (Granite
+# 4.0-H's). Before, refused ("a router other than a softmax over one linear")
+_TOPK = {"router_topk_softmax": True}
+_GRANITE = {**_TOPK, "router_logits_fp32": True, "router_weights_cast": True}
+LOOP_TOPK = _variant(LOOP_MOE, name="tiny-moe-loop-topk",
+                     moe={**LOOP_MOE.moe.model_dump(), **_TOPK, "router_bias": True})
+LOOP_GRANITE = _variant(LOOP_MOE, name="tiny-moe-loop-granite",
+                        moe={**LOOP_MOE.moe.model_dump(), **_GRANITE})
+LOOP_GRANITE_LAST = _variant(LOOP_SHARED_LAST, name="tiny-moe-loop-granite-shared-last",
+                             moe={**LOOP_SHARED_LAST.moe.model_dump(), **_GRANITE})
+LOOP_TOPK_GRID = [(LOOP_TOPK, "bf16-pure", ""), (LOOP_TOPK, "bf16-pure", "mlp"),
+                  (LOOP_GRANITE, "bf16-pure", ""), (LOOP_GRANITE, "bf16-pure", "mlp"),
+                  (LOOP_GRANITE, "bf16-pure", "moe.topk_weights,moe.router"),
+                  (LOOP_GRANITE, "fp32", "moe.topk_weights,moe.expert.act"),
+                  (LOOP_GRANITE_LAST, "bf16-pure", "moe.topk_weights,moe.shared.prod")]
+
+
+@pytest.mark.parametrize(("spec", "precision", "save"), LOOP_TOPK_GRID,
+                         ids=[f"{m.name}-{p}-{s or 'input'}" for m, p, s in LOOP_TOPK_GRID])
+def test_emitted_policy_on_the_reference_moe_loop_with_a_topk_softmax(
+        spec: ModelSpec, precision: str, save: str, monkeypatch) -> None:
+    _balanced_routing(monkeypatch)
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="ops", recompute_save=save)
+    result = compare(spec, make_layout(1), wl, fake=False)
+    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
+@pytest.mark.parametrize("spec", [LOOP_TOPK, LOOP_GRANITE], ids=lambda s: s.name)
+def test_full_recompute_on_the_reference_moe_loop_with_a_topk_softmax(
+        spec: ModelSpec, monkeypatch) -> None:
+    """The loop's locals behind a top-k softmax (``moe._loop_router_bound``): no fp32
+    probabilities, Granite's held fp32 logits instead (T E x 4 B, also beside the rerun's
+    stop: ``moe.loop_rerun``). Traced forward peaks exact, every row within TOLERANCE_PCT."""
+    _balanced_routing(monkeypatch)
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision="bf16-pure",
+                       recompute="full")
+    result = compare(spec, make_layout(1), wl, fake=False)
+    for name in ("first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)

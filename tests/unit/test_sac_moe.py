@@ -229,12 +229,12 @@ def test_loop_policy_names_each_expert() -> None:
 
 
 def test_loop_refused_with_what_the_reference_does_not_run() -> None:
-    """The loop's op counts are modelled for a softmax over one linear; shared experts as
-    wide as the hidden size share the norms' products' width."""
+    """The loop refuses a router it does not model (ERNIE 4.5's clamped renormalisation);
+    shared experts as wide as the hidden size share the norms' products' width."""
     shared = {"num_shared_experts": 1, "shared_expert_ffn_hidden_size": 128}
     for update, why in (({**shared, "shared_expert_ffn_hidden_size": 64},
                          "shared experts as wide as the hidden size"),
-                        ({"router_weights_cast": True}, "moe_impl loop and a router")):
+                        ({"router_norm_clamped": True}, "moe_impl loop and a router")):
         spec = TINY_MOE.model_copy(update={"moe": TINY_MOE.moe.model_copy(update=update)})
         with pytest.raises(MemplanError, match=why):
             estimate(spec, seq_len=128, micro_batch_size=2, moe_impl="loop", recompute="ops")
@@ -338,6 +338,72 @@ def test_loop_shared_gate_forward_moments_by_hand() -> None:
             for _, adds in moments]
     assert gate == [{"moe.shared_gate_proj"},
                     {"moe.shared_gate_proj", "moe.shared_gate", "moe.shared.down"}]
+
+
+def test_loop_fp32_router_by_hand() -> None:
+    """The reference loop behind an fp32 router (``router_fp32``: memplan/profile/reference.py
+    Fp32Linear, DeepseekV3TopkRouter.forward's F.linear on fp32 copies; ``sac_moe.
+    _loop_fp32_casts``), bf16, T = 256: the input's copy T*h*4 = 65,536 B (h = 64 FLOPs a
+    token) and the weight's E*h*4 = 1,024 B (E*h/T = 1 FLOP a token), the layer's 5th and
+    6th 64-wide copies (after the two upcast RMSNorms' two each), both kept beyond the
+    block's working set; the logits fp32, T*E*4 = 4,096 B, and no cast of them (the
+    policy counts no 4-wide copy, the weights' cast back still). In the checkpointed
+    forward the linear's moment holds the two copies and the logits, 70,656 B, nothing of
+    the loop made yet; the last expert's product (44,032 B of the loop's locals and 106,496
+    of the expert's: ``test_loop_shared_forward_moments_by_hand``) stays the working set's,
+    150,528."""
+    from memplan.model.moe import BEFORE_LOOP, MoE, loop_kept_moments
+
+    spec = TINY_MOE.model_copy(update={"name": "tiny-moe-fp32-router", "moe": TINY_MOE.moe
+                                       .model_copy(update={"router_fp32": True})})
+    moe = {i.name: (i.size_bytes, i.flops_per_token, i.op, i.width, i.nth, i.own_extra)
+           for i in _items(spec, moe_impl="loop", precision="bf16-pure")
+           if i.name.startswith("moe.router")}
+    assert moe == {"moe.router_input_fp32": (65_536, 64.0, "copy", 64, 4, True),
+                   "moe.router_weight_fp32": (1_024, 1.0, "copy", 64, 5, True),
+                   "moe.router": (4_096, 512.0, "matmul", 4, 0, True),
+                   "moe.router_probs": (4_096, 4.0, "softmax", 4, 0, False)}
+    counts = _policy_ops(spec, "loop")
+    assert (counts[("copy", 64)], counts.get(("copy", 4), 0), counts[("copy", 2)]) == (6, 0, 1)
+    wl = make_workload(spec, **{**FIELDS, "moe_impl": "loop"}, precision="bf16-pure",
+                       recompute="full")
+    dm = Dims.of(spec, make_layout(1), wl)
+    assert loop_kept_moments(spec, dm)[0] == (70_656, frozenset({BEFORE_LOOP}))
+    assert MoE().working_set(spec, wl, dm)[0].transient_bytes == 150_528
+
+
+def test_loop_topk_softmax_router_by_hand() -> None:
+    """The reference loop behind a softmax of the top-k logits (``router_topk_softmax``:
+    memplan/profile/reference.py MoE._route), bf16, T = 256, R = T*k = 512. Granite's
+    (``router_logits_fp32``, ``router_weights_cast``): the logits T*E*e = 2,048 B, their
+    ``.float()`` (a 4-wide copy), the softmax of the k (``moe.topk_weights``, width 2, fp32:
+    R*4 = 2,048 B, k = 2 FLOPs a token), its cast back (a 2-wide copy); the held fp32 logits
+    T*E*4 = 4,096 B take the place of Mixtral's probabilities among the loop's locals
+    (44,032 B). GPT-OSS's (biased, its softmax in the logits' dtype): no copies, nothing
+    held: the locals 4,096 B fewer, 39,936. Kept below fp32, Granite's fp32 softmax output
+    is alive beyond the experts' moments (its cast is the weights the loop reads)."""
+    from memplan.model.moe import _loop_locals, loop_kept_moments
+
+    def variant(**update) -> ModelSpec:
+        return TINY_MOE.model_copy(update={"name": "tiny-moe-topk", "moe": TINY_MOE.moe
+                                           .model_copy(update={"router_topk_softmax": True,
+                                                               **update})})
+
+    granite = variant(router_logits_fp32=True, router_weights_cast=True)
+    gpt_oss = variant(router_bias=True)
+    moe = {i.name: (i.size_bytes, i.flops_per_token, i.op, i.width, i.nth)
+           for i in _items(granite, moe_impl="loop", precision="bf16-pure")
+           if i.name in ("moe.router", "moe.topk_weights")}
+    assert moe == {"moe.router": (2_048, 512.0, "matmul", 4, 0),
+                   "moe.topk_weights": (2_048, 2.0, "softmax", 2, 0)}
+    ops = [{k: v for k, v in _policy_ops(spec, "loop").items() if k in (
+        ("copy", 4), ("copy", 2), ("softmax", 2), ("softmax", 4))} for spec in (granite, gpt_oss)]
+    assert ops == [{("copy", 4): 1, ("copy", 2): 1, ("softmax", 2): 1}, {("softmax", 2): 1}]
+    wl = make_workload(granite, **{**FIELDS, "moe_impl": "loop"}, precision="bf16-pure",
+                       recompute="full")
+    dm = Dims.of(granite, make_layout(1), wl)
+    assert [_loop_locals(spec, dm, 128)[0] for spec in (granite, gpt_oss)] == [44_032, 39_936]
+    assert all("moe.topk_weights" in adds for _, adds in loop_kept_moments(granite, dm))
 
 
 SHARED = TINY_MOE.model_copy(update={"name": "tiny-moe-shared", "moe": TINY_MOE.moe.model_copy(
