@@ -211,9 +211,10 @@ def loop_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[st
     bound, before = _loop_locals(spec, dm, rows)
     # the router's logits, freed once softmaxed; an fp32 router's casts, once it ran; a top-k
     # softmax's fp32 output below fp32, once cast to the block's dtype
-    router = {"moe.router", "moe.router_input_fp32", "moe.router_weight_fp32"} | (
+    router = {"moe.router_input_fp32", "moe.router_weight_fp32"} | (
         {"moe.topk_weights"} if moe.router_topk_softmax and e < FP32_BYTES
-        and (moe.router_logits_fp32 or moe.router_fp32) else set())
+        and (moe.router_logits_fp32 or moe.router_fp32) else set()) | (
+        set() if _loop_logits_are_held(moe, dm) else {"moe.router"})
     mlp_in = {"moe.expert.gate", "moe.expert.act", "moe.expert.up"}
     done = mlp_in | {"moe.dispatched", "moe.expert.prod"}
     loop = router | done | {"moe.expert.down", "moe.routing_weights"}
@@ -291,13 +292,31 @@ def _loop_locals(spec: ModelSpec, dm: Dims, rows: int) -> tuple[int, int]:
 
 def _loop_router_bound(moe: MoESpec, dm: Dims) -> int:
     """What the reference loop's router binds to the block's end beside its top-k (memplan/
-    profile/reference.py ``MoE._route``): the fp32 probabilities of Mixtral's softmax, or
-    with a top-k softmax (``router_topk_softmax``) the fp32 logits it holds where it cast
-    them (``router_logits_fp32``: GraniteMoeMoE.forward's ``_``), none otherwise (GPT-OSS's:
-    its logits and top-k values freed by the softmax); T E x 4 B or 0."""
-    if moe.router_topk_softmax and not moe.router_logits_fp32:
+    profile/reference.py ``MoE._route``): the fp32 probabilities of Mixtral's softmax (none
+    behind a top-k softmax, ``router_topk_softmax``: GPT-OSS's logits and top-k values are
+    freed by it) and the logits it holds (``_loop_held_logits``)."""
+    probs = 0 if moe.router_topk_softmax else dm.tokens * moe.num_experts * FP32_BYTES
+    return probs + _loop_held_logits(moe, dm)
+
+
+def _loop_held_logits(moe: MoESpec, dm: Dims) -> int:
+    """The router's logits the reference loop binds to the block's end, saved by no one:
+    cast to fp32 (``router_logits_fp32``: GraniteMoeMoE.forward's ``_``) or as the linear
+    made them (``router_logits_held``: Ernie4_5_MoeSparseMoeBlock.forward's ``_``, fp32
+    behind an fp32 router); T E x (4 or e) B, 0 otherwise."""
+    if not (moe.router_logits_fp32 or moe.router_logits_held):
         return 0
-    return dm.tokens * moe.num_experts * FP32_BYTES
+    fp32 = moe.router_logits_fp32 or moe.router_fp32
+    return dm.tokens * moe.num_experts * (FP32_BYTES if fp32 else dm.e)
+
+
+def _loop_logits_are_held(moe: MoESpec, dm: Dims) -> bool:
+    """Whether the logits the loop holds (``_loop_held_logits``) are the router linear's own
+    output (``moe.router``; no cast between: ``router_logits_held``, or fp32 logits where
+    the linear runs in fp32), which kept adds nothing then."""
+    if not (moe.router_logits_fp32 or moe.router_logits_held):
+        return False
+    return (moe.router_logits_held or moe.router_fp32 or dm.e >= FP32_BYTES)
 
 
 def _loop_shared_moments(spec: ModelSpec, dm: Dims) -> tuple[int, ...]:
@@ -750,7 +769,7 @@ def loop_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[Mome
     residual = (dm.stream(h) if spec.norm_placement.pre_norm and wl.norm_impl.upcast
                 and dm.stream_e < FP32_BYTES else 0)
     # a top-k softmax's held fp32 logits, bound, not saved (``_loop_router_bound``)
-    held = _loop_router_bound(moe, dm) if moe.router_topk_softmax else 0
+    held = _loop_held_logits(moe, dm)
     beside = dm.tokens * moe.top_k * e + 2 * rows * INDEX_BYTES + residual + held
     last = sum(t.size_bytes for t in moe_terms(spec, dm, MoeImpl.LOOP)
                if t.name in _PER_EXPERT) // local
@@ -856,7 +875,10 @@ class MoE:
         tests/traced/test_sac_policy.py ``test_full_recompute_on_the_reference_moe_loop``).
         With shared experts, their MLP after the loop where it is larger
         (``_loop_shared_moments``: before, fp32 114,688 B under, -7.47% of the first step's
-        forward on the shared toy)."""
+        forward on the shared toy); behind an fp32 router below fp32, its linear's moment
+        where larger (``_loop_router_moment``). The router's tensors bound to the block's end
+        follow its variant (``_loop_router_bound``: before, fp32 on the reference model,
+        GPT-OSS's router +0.32%, ERNIE's -0.32% of the first step's forward; exact now)."""
         moe, h, e = _moe(spec), spec.hidden_size, dm.e
         stream = dm.rows * h * e
         if wl.moe_impl is MoeImpl.EVERY:

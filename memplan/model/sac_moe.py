@@ -303,7 +303,9 @@ def _loop_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
     before it, ``_loop_fp32_casts``), below fp32 ``F.softmax(..., dtype=float32)``'s
     cast of the logits (width E) and the softmax (``moe.router_probs``), ``topk`` and the
     renormalising sum and division (no op a policy counts), below fp32 ``.to(x.dtype)`` of
-    the weights (width k); with ``router_topk_softmax`` (GPT-OSS's, Granite's) ``topk`` of
+    the weights (width k), ERNIE's clamp of the sum between them (``router_norm_clamped``:
+    ``aten.clamp``, width 1, saved by the division, ``moe.topk_weights``' sums); with
+    ``router_topk_softmax`` (GPT-OSS's, Granite's) ``topk`` of
     the logits, below fp32 their ``.float()`` first where ``router_logits_fp32`` (width E),
     the softmax of the k (width k: ``moe.topk_weights``) and, where it ran in fp32, its
     cast back (width k); ``torch.zeros_like``. Then each expert in turn over its rows
@@ -318,28 +320,15 @@ def _loop_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
     together (``Item.repeat``); FLOPs per token: each token's k rows."""
     moe = spec.moe
     assert moe is not None
-    h, e, E, k = spec.hidden_size, dm.e, moe.num_experts, moe.top_k
+    h, k = spec.hidden_size, moe.top_k
     f = moe.expert_ffn_hidden_size // dm.experts().tp
-    low = e < FP32_BYTES
 
     def item(name: str, op: str, width: int, flops: float, own: bool = False,
              covers: str = "") -> tuple:
         covers = covers or name
         return (name, op, width, (covers,), terms[covers], flops, own)
 
-    topk = moe.router_topk_softmax
-    fp32_logits = moe.router_fp32 or moe.router_logits_fp32
-    router = (_loop_fp32_casts(spec, dm, terms)
-              + [("moe.router", MATMUL, E, (),
-                  dm.tokens * E * (FP32_BYTES if moe.router_fp32 else e),
-                  2.0 * h * E + (2.0 * E if moe.router_bias else 0.0), True)]
-              # the logits' cast to fp32: the softmax's ``dtype`` or ``.float()``
-              + [("", COPY, E, (), 0, 0.0, False)] * (
-                  low and not moe.router_fp32 and (moe.router_logits_fp32 or not topk))
-              + ([item("moe.topk_weights", SOFTMAX, k, float(k))] if topk
-                 else [item("moe.router_probs", SOFTMAX, E, float(E))])
-              # the weights' cast to the block's dtype (a top-k softmax's own dtype: none)
-              + [("", COPY, k, (), 0, 0.0, False)] * (low and (fp32_logits or not topk)))
+    router = _loop_router_ops(spec, dm, terms)
     expert = [item("moe.dispatched", INDEX, h, 0.0),
               item("moe.expert.gate", MATMUL, f, k * 2.0 * h * f, own=True),
               item("moe.expert.act", ACTIVATION, f, float(k * f)),
@@ -349,6 +338,33 @@ def _loop_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
               item("moe.routing_weights", INDEX, 1, 0.0),
               item("moe.combine_in", PRODUCT, h, float(k * h))]
     return router, expert, _loop_shared_ops(spec, dm, terms)
+
+
+def _loop_router_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
+                     ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
+    """The reference loop's router ops (``_loop_ops``' router, as its docstring lists them:
+    memplan/profile/reference.py ``MoE._route``)."""
+    moe = spec.moe
+    assert moe is not None
+    h, e, E, k = spec.hidden_size, dm.e, moe.num_experts, moe.top_k
+    low, topk = e < FP32_BYTES, moe.router_topk_softmax
+    fp32_logits = moe.router_fp32 or moe.router_logits_fp32
+
+    def item(name: str, width: int) -> tuple:
+        return (name, SOFTMAX, width, (name,), terms[name], float(width), False)
+
+    return (_loop_fp32_casts(spec, dm, terms)
+            + [("moe.router", MATMUL, E, (),
+                dm.tokens * E * (FP32_BYTES if moe.router_fp32 else e),
+                2.0 * h * E + (2.0 * E if moe.router_bias else 0.0), True)]
+            # the logits' cast to fp32: the softmax's ``dtype`` or ``.float()``
+            + [("", COPY, E, (), 0, 0.0, False)] * (
+                low and not moe.router_fp32 and (moe.router_logits_fp32 or not topk))
+            + [item("moe.topk_weights", k) if topk else item("moe.router_probs", E)]
+            # ERNIE's ``torch.clamp`` of the weights' sum (``router_norm_clamped``)
+            + [("", CLAMP, 1, (), 0, 0.0, False)] * (moe.router_norm_clamped and not topk)
+            # the weights' cast to the block's dtype (a top-k softmax's own dtype: none)
+            + [("", COPY, k, (), 0, 0.0, False)] * (low and (fp32_logits or not topk)))
 
 
 def _loop_fp32_casts(spec: ModelSpec, dm: Dims, terms: dict[str, int]

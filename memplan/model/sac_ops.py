@@ -321,7 +321,9 @@ def loop_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     block's dtype (Mixtral's; ``router_weights_cast``'s cast is the one the reference makes
     anyway), its linear on fp32 copies where the spec says so (``router_fp32``), or a
     softmax of the top-k logits (``router_topk_softmax``, on fp32 logits with
-    ``router_logits_fp32``); the other router variants the reference runs (``MoE._route``) are refused; its
+    ``router_logits_fp32``), ERNIE 4.5's clamped renormalisation and held logits
+    (``router_norm_clamped``, ``router_logits_held``) but not its fp32 weight
+    (``router_weight_fp32``); the other router variants the reference runs (``MoE._route``) are refused; its
     shared experts are one MLP of the
     experts' kind, the shared experts' widths together, run after the loop whatever the
     spec's order (``memplan.model.sac_moe._loop_shared_ops``), behind Qwen2-MoE's sigmoid
@@ -335,10 +337,12 @@ def loop_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     # (``router_weights_cast``: the cast the reference makes whatever the spec says;
     # ``router_fp32``: an fp32 linear, ``sac_moe._loop_fp32_casts``, on a weight of the
     # model's dtype, which the reference builds whatever ``router_weight_fp32`` says; a top-k
-    # softmax, GPT-OSS's, or Granite's on fp32 logits)
-    variants = (moe.router_weight_fp32 or moe.router_norm_clamped or moe.router_logits_held
+    # softmax, GPT-OSS's, or Granite's on fp32 logits; ERNIE's clamped renormalisation and
+    # held logits)
+    variants = (moe.router_weight_fp32
                 or (moe.router_logits_fp32 and not moe.router_topk_softmax)
-                or (moe.router_topk_softmax and moe.router_fp32))
+                or (moe.router_topk_softmax and (moe.router_fp32 or moe.router_norm_clamped
+                                                 or moe.router_logits_held)))
     rows = wl.micro_batch_size * wl.seq_len * moe.top_k
     checks = ((moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
                in (spec.hidden_size, spec.head_dim) and not _norm_products_counted(spec, wl),
@@ -349,7 +353,11 @@ def loop_refusal(spec: ModelSpec, wl: Workload) -> str | None:
                "receives none and skips its ops)"),
               (variants, "a router other than a softmax over one linear (Mixtral's, its "
                          "linear in fp32 or not) or of its top-k logits (GPT-OSS's, Granite's)"),
-              (moe.clamped_swiglu, "GPT-OSS's clamped SwiGLU"))
+              (moe.clamped_swiglu, "GPT-OSS's clamped SwiGLU"),
+              # Granite 4.0-H's hybrid layers: transformers runs their experts grouped
+              (spec.mamba is not None, "Mamba layers (the reference model runs no Mamba "
+               "mixer; transformers' Granite 4.0-H runs its experts grouped: moe_impl "
+               "grouped)"))
     why = next((why for cond, why in checks if cond), None)
     return None if why is None else (
         f"moe_impl loop and {why} (the loop is modelled as memplan/profile/reference.py "

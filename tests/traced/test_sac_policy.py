@@ -1575,7 +1575,9 @@ LOOP_TOPK_GRID = [(LOOP_TOPK, "bf16-pure", ""), (LOOP_TOPK, "bf16-pure", "mlp"),
                   (LOOP_GRANITE, "bf16-pure", ""), (LOOP_GRANITE, "bf16-pure", "mlp"),
                   (LOOP_GRANITE, "bf16-pure", "moe.topk_weights,moe.router"),
                   (LOOP_GRANITE, "fp32", "moe.topk_weights,moe.expert.act"),
-                  (LOOP_GRANITE_LAST, "bf16-pure", "moe.topk_weights,moe.shared.prod")]
+                  (LOOP_GRANITE_LAST, "bf16-pure", "moe.topk_weights,moe.shared.prod"),
+                  # fp32, where the block's locals set the forward's peak to the byte
+                  (LOOP_TOPK, "fp32", "moe.topk_weights,moe.expert.gate")]
 
 
 @pytest.mark.parametrize(("spec", "precision", "save"), LOOP_TOPK_GRID,
@@ -1597,11 +1599,64 @@ def test_full_recompute_on_the_reference_moe_loop_with_a_topk_softmax(
         spec: ModelSpec, monkeypatch) -> None:
     """The loop's locals behind a top-k softmax (``moe._loop_router_bound``): no fp32
     probabilities, Granite's held fp32 logits instead (T E x 4 B, also beside the rerun's
-    stop: ``moe.loop_rerun``). Traced forward peaks exact, every row within TOLERANCE_PCT."""
+    stop: ``moe.loop_rerun``). fp32, where the block's locals set the forward's peak to the
+    byte. Traced forward peaks exact, every row within TOLERANCE_PCT."""
     _balanced_routing(monkeypatch)
-    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision="bf16-pure",
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision="fp32",
                        recompute="full")
     result = compare(spec, make_layout(1), wl, fake=False)
+    for name in ("first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
+# the loop behind ERNIE 4.5's router variants but its fp32 weight (the reference builds the
+# router's weight in the model's dtype): its fp32 linear (router_fp32), the logits held to the
+# block's end (router_logits_held: moe._loop_held_logits, beside Mixtral's probabilities) and
+# the sum clamped from below (router_norm_clamped: an aten.clamp of width 1, sac_moe._loop_ops);
+# and held logits of the model's dtype behind a plain linear. Before, refused ("a router
+# other than a softmax over one linear"). Not in the grid: moe.router kept where the held
+# logits are the linear's own output (ERNIE's; Granite's in fp32): memplan counts them once
+# (moe._loop_logits_are_held), as the reference runs without the routing hook (the checkpointed
+# MoE block alone, Granite's fp32 logits kept or not: 142,336 B alive at ``zeros_like``
+# either way; Mixtral's kept +4,096 B, T E x 4), but the hook's ``out + ...`` makes the held
+# logits a tensor of their own, T E more in the trace
+_ERNIE = {"router_fp32": True, "router_logits_held": True, "router_norm_clamped": True,
+          "router_weights_cast": True}
+LOOP_ERNIE = _variant(LOOP_MOE, name="tiny-moe-loop-ernie",
+                      moe={**LOOP_MOE.moe.model_dump(), **_ERNIE})
+LOOP_HELD = _variant(LOOP_MOE, name="tiny-moe-loop-held",
+                     moe={**LOOP_MOE.moe.model_dump(), "router_logits_held": True,
+                          "router_norm_clamped": True})
+LOOP_ERNIE_GRID = [(LOOP_ERNIE, "bf16-pure", ""),
+                   (LOOP_ERNIE, "bf16-pure", "moe.router_input_fp32,moe.router_probs"),
+                   (LOOP_ERNIE, "fp32", "moe.router_probs,moe.expert.gate"),
+                   (LOOP_HELD, "bf16-pure", "moe.router_probs,moe.expert.down")]
+
+
+@pytest.mark.parametrize(("spec", "precision", "save"), LOOP_ERNIE_GRID,
+                         ids=[f"{m.name}-{p}-{s or 'input'}" for m, p, s in LOOP_ERNIE_GRID])
+def test_emitted_policy_on_the_reference_moe_loop_with_held_logits(
+        spec: ModelSpec, precision: str, save: str, monkeypatch) -> None:
+    _balanced_routing(monkeypatch)
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="ops", recompute_save=save)
+    result = compare(spec, make_layout(1), wl, fake=False)
+    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
+def test_full_recompute_on_the_reference_moe_loop_with_held_logits(monkeypatch) -> None:
+    """ERNIE's held fp32 logits beside the probabilities in the checkpointed forward and
+    beside the rerun's stop (``moe._loop_router_bound``, ``moe.loop_rerun``), fp32. Traced
+    forward peaks exact, every row within TOLERANCE_PCT."""
+    _balanced_routing(monkeypatch)
+    wl = make_workload(LOOP_ERNIE, seq_len=128, micro_batch_size=2, precision="fp32",
+                       recompute="full")
+    result = compare(LOOP_ERNIE, make_layout(1), wl, fake=False)
     for name in ("first_step.forward_bytes", "steady.forward_bytes"):
         row = result.row(name)
         assert row.estimated_bytes == row.measured_bytes, row

@@ -229,12 +229,14 @@ def test_loop_policy_names_each_expert() -> None:
 
 
 def test_loop_refused_with_what_the_reference_does_not_run() -> None:
-    """The loop refuses a router it does not model (ERNIE 4.5's clamped renormalisation);
-    shared experts as wide as the hidden size share the norms' products' width."""
+    """The loop refuses a router it does not run (ERNIE 4.5's fp32 weight: the reference
+    builds the router's weight in the model's dtype); shared experts as wide as the hidden
+    size share the norms' products' width."""
     shared = {"num_shared_experts": 1, "shared_expert_ffn_hidden_size": 128}
     for update, why in (({**shared, "shared_expert_ffn_hidden_size": 64},
                          "shared experts as wide as the hidden size"),
-                        ({"router_norm_clamped": True}, "moe_impl loop and a router")):
+                        ({"router_fp32": True, "router_weight_fp32": True},
+                         "moe_impl loop and a router")):
         spec = TINY_MOE.model_copy(update={"moe": TINY_MOE.moe.model_copy(update=update)})
         with pytest.raises(MemplanError, match=why):
             estimate(spec, seq_len=128, micro_batch_size=2, moe_impl="loop", recompute="ops")
@@ -404,6 +406,37 @@ def test_loop_topk_softmax_router_by_hand() -> None:
     dm = Dims.of(granite, make_layout(1), wl)
     assert [_loop_locals(spec, dm, 128)[0] for spec in (granite, gpt_oss)] == [44_032, 39_936]
     assert all("moe.topk_weights" in adds for _, adds in loop_kept_moments(granite, dm))
+
+
+def test_loop_held_logits_and_clamped_sum_by_hand() -> None:
+    """ERNIE 4.5's router variants in the reference loop (memplan/profile/reference.py
+    MoE._route), bf16, T = 256, E = 4: the sum clamped from below (``router_norm_clamped``)
+    adds an ``aten.clamp`` of width 1 the policy counts; the held logits
+    (``router_logits_held``) stay bound beside Mixtral's fp32 probabilities (4,096 B): of the
+    model's dtype behind a plain linear, T*E*e = 2,048 B (the loop's locals 44,032 + 2,048 =
+    46,080), fp32 behind an fp32 linear (``router_fp32``), T*E*4 = 4,096 B (48,128), beside
+    the rerun's stop too. Held, the logits are the linear's own output: kept, ``moe.router``
+    adds nothing beyond the block's moments (not among any moment's kept names)."""
+    from memplan.model.moe import MoE, _loop_locals, loop_kept_moments
+
+    def variant(**update) -> ModelSpec:
+        return TINY_MOE.model_copy(update={"name": "tiny-moe-held", "moe": TINY_MOE.moe
+                                           .model_copy(update={"router_logits_held": True,
+                                                               **update})})
+
+    held, ernie = variant(), variant(router_fp32=True, router_norm_clamped=True,
+                                     router_weights_cast=True)
+    assert _policy_ops(ernie, "loop")[("clamp", 1)] == 1
+    assert ("clamp", 1) not in _policy_ops(held, "loop")
+    wl = make_workload(held, **{**FIELDS, "moe_impl": "loop"}, precision="bf16-pure",
+                       recompute="full")
+    dm = Dims.of(held, make_layout(1), wl)
+    assert [_loop_locals(spec, dm, 128)[0] for spec in (held, ernie)] == [46_080, 48_128]
+    assert all("moe.router" not in adds for spec in (held, ernie)
+               for _, adds in loop_kept_moments(spec, dm))
+    plain = MoE().rebuild_moments(TINY_MOE, wl, dm)
+    rerun = MoE().rebuild_moments(ernie, wl, dm)
+    assert [m.transient_bytes - p.transient_bytes for m, p in zip(rerun, plain)] == [4_096] * 2
 
 
 SHARED = TINY_MOE.model_copy(update={"name": "tiny-moe-shared", "moe": TINY_MOE.moe.model_copy(
