@@ -45,7 +45,7 @@ from memplan.model.linear import Linear, Split, shares_input
 from memplan.model.mla import Mla, mla_linears
 from memplan.model.mlp import (Mlp, lora_working_steps, mlp_linears, rerun_pending_bytes,
                                rerun_stop_bytes, working_steps)
-from memplan.model.moe import MoE, down_biases_bytes, weights_width
+from memplan.model.moe import BEFORE_LOOP, MoE, down_biases_bytes, weights_width
 from memplan.model.short_conv import ShortConv, conv_cache_bytes, short_conv_linears
 from memplan.model.mamba import Mamba, mamba_cache_bytes, mamba_linears
 from memplan.model.mamba import kernel as mamba_kernel
@@ -823,9 +823,9 @@ def _cached_ahead(spec: ModelSpec, wl: Workload, moments: tuple[LayerMoment, ...
     if wl.moe_impl is MoeImpl.LOOP:
         # an MoE loop's rerun at the expert before the last's combine: the last expert's
         # kept outputs and the shared MLP's, which runs after the loop, still in the cache
-        # (``memplan.model.moe.loop_rerun``)
+        # (``memplan.model.moe.loop_rerun``), its gate's too
         ahead = sum(i.size_bytes // i.repeat for i in kept if i.repeat > 1) + sum(
-            i.size_bytes for i in kept if i.name.startswith("moe.shared."))
+            i.size_bytes for i in kept if i.name.startswith("moe.shared"))
         return tuple(m._replace(alive_bytes=m.alive_bytes + ahead)
                      if m.name == "moe_rerun_combine" else m for m in moments)
     if spec.moe is None or not spec.moe.shared_experts_last:
@@ -1041,7 +1041,8 @@ def ops_forward_peak(fw: _OpsForward, items: tuple[sac_ops.Item, ...],
         for i in kept:
             if i.name in adds:
                 at += i.size_bytes
-            elif i.repeat > 1:  # an MoE loop's: the experts' before the running one
+            elif i.repeat > 1 and BEFORE_LOOP not in adds:
+                # an MoE loop's: the experts' before the running one
                 at += i.size_bytes - i.size_bytes // i.repeat
         peak = max(peak, at)
     return peak

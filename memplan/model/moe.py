@@ -209,15 +209,43 @@ def loop_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[st
     rows = dm.tokens * moe.top_k * dm.ep // moe.num_experts  # a local expert's
     rh, inner = rows * h * e, rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
     bound, before = _loop_locals(spec, dm, rows)
-    router = {"moe.router"}
+    # the router's logits, freed once softmaxed; an fp32 router's casts, once it ran; a top-k
+    # softmax's fp32 output below fp32, once cast to the block's dtype
+    router = {"moe.router_input_fp32", "moe.router_weight_fp32"} | (
+        {"moe.topk_weights"} if moe.router_topk_softmax and e < FP32_BYTES
+        and (moe.router_logits_fp32 or moe.router_fp32) else set()) | (
+        set() if _loop_logits_are_held(moe, dm) else {"moe.router"})
     mlp_in = {"moe.expert.gate", "moe.expert.act", "moe.expert.up"}
     done = mlp_in | {"moe.dispatched", "moe.expert.prod"}
     loop = router | done | {"moe.expert.down", "moe.routing_weights"}
-    return [(bound + before + rh + 3 * inner, frozenset(router | {"moe.expert.gate"})),
+    first = _loop_router_moment(spec, dm)
+    return [(first, frozenset({BEFORE_LOOP}))] * bool(first) + [
+        (bound + before + rh + 3 * inner, frozenset(router | {"moe.expert.gate"})),
             (bound + before + 2 * rh + inner, frozenset(router | mlp_in)),
             (bound + before + 2 * rh + rows * e, frozenset(router | done)),
             (bound + dm.rows * h * e + rh, frozenset(loop))] + _loop_shared_kept(
                 spec, dm, bound, loop)
+
+
+# a moment of the loop's before its first expert ran (``loop_kept_moments``): the kept
+# experts' shares are not made yet (``memplan.model.layer.ops_forward_peak``)
+BEFORE_LOOP = "moe.loop.before"
+
+
+def _loop_router_moment(spec: ModelSpec, dm: Dims) -> int:
+    """The reference loop's fp32 router below fp32 (``MoESpec.router_fp32``: memplan/profile/
+    reference.py ``Fp32Linear.forward``, DeepseekV3TopkRouter.forward's) in a checkpointed
+    forward, at its linear: the input's fp32 copy (T h x 4 B), the weight's (E h x 4 B) and
+    a bias's (E x 4 B), and the fp32 logits (T E x 4 B); nothing of the loop's made yet (its
+    probabilities, ``out``). 0 otherwise (Mixtral's router, or fp32: the casts return their
+    input), where the experts' moments are larger. Traced: the reference model with a
+    Mixtral-like block and an fp32 router, bf16, 2 x 128 tokens
+    (tests/traced/test_sac_policy.py)."""
+    moe, h = _moe(spec), spec.hidden_size
+    if not moe.router_fp32 or dm.e >= FP32_BYTES:
+        return 0
+    E = moe.num_experts
+    return (dm.tokens * h + E * h + (E if moe.router_bias else 0) + dm.tokens * E) * FP32_BYTES
 
 
 def _loop_shared_kept(spec: ModelSpec, dm: Dims, bound: int, loop: set[str]
@@ -232,11 +260,20 @@ def _loop_shared_kept(spec: ModelSpec, dm: Dims, bound: int, loop: set[str]
     projection's outputs, at the sum also the product. None without shared experts."""
     if not _moe(spec).num_shared_experts:
         return []
-    prod, down, add = _loop_shared_moments(spec, dm)
+    prod, down, *gated, add = _loop_shared_moments(spec, dm)
     gate = {"moe.shared.gate"}
     inputs = gate | {"moe.shared.act", "moe.shared.up"}
+    made = loop | inputs | {"moe.shared.prod"}
+    if gated:
+        # the gate's product: its h -> 1 projection's output freed by the sigmoid; at the
+        # sum also the sigmoid's and the down projection's, freed by the product
+        return [(bound + prod, frozenset(loop | gate)),
+                (bound + down, frozenset(loop | inputs)),
+                (bound + gated[0], frozenset(made | {"moe.shared_gate_proj"})),
+                (bound + add, frozenset(made | {"moe.shared_gate_proj", "moe.shared_gate",
+                                                "moe.shared.down"}))]
     return [(bound + prod, frozenset(loop | gate)), (bound + down, frozenset(loop | inputs)),
-            (bound + add, frozenset(loop | inputs | {"moe.shared.prod"}))]
+            (bound + add, frozenset(made))]
 
 
 def _loop_locals(spec: ModelSpec, dm: Dims, rows: int) -> tuple[int, int]:
@@ -248,12 +285,41 @@ def _loop_locals(spec: ModelSpec, dm: Dims, rows: int) -> tuple[int, int]:
     rebinds it (none on a rank of one expert). Traced: the reference model with a
     Mixtral-like block, fp32, 2 x 128 tokens (tests/traced/test_sac_policy.py)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
-    bound = (dm.tokens * moe.num_experts * FP32_BYTES + dm.rows * h * e
+    bound = (_loop_router_bound(moe, dm) + dm.rows * h * e
              + dm.tokens * moe.top_k * (INDEX_BYTES + e) + 2 * rows * INDEX_BYTES)
     return bound, (rows * h * e if moe.num_experts // dm.ep > 1 else 0)
 
 
-def _loop_shared_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int, int]:
+def _loop_router_bound(moe: MoESpec, dm: Dims) -> int:
+    """What the reference loop's router binds to the block's end beside its top-k (memplan/
+    profile/reference.py ``MoE._route``): the fp32 probabilities of Mixtral's softmax (none
+    behind a top-k softmax, ``router_topk_softmax``: GPT-OSS's logits and top-k values are
+    freed by it) and the logits it holds (``_loop_held_logits``)."""
+    probs = 0 if moe.router_topk_softmax else dm.tokens * moe.num_experts * FP32_BYTES
+    return probs + _loop_held_logits(moe, dm)
+
+
+def _loop_held_logits(moe: MoESpec, dm: Dims) -> int:
+    """The router's logits the reference loop binds to the block's end, saved by no one:
+    cast to fp32 (``router_logits_fp32``: GraniteMoeMoE.forward's ``_``) or as the linear
+    made them (``router_logits_held``: Ernie4_5_MoeSparseMoeBlock.forward's ``_``, fp32
+    behind an fp32 router); T E x (4 or e) B, 0 otherwise."""
+    if not (moe.router_logits_fp32 or moe.router_logits_held):
+        return 0
+    fp32 = moe.router_logits_fp32 or moe.router_fp32
+    return dm.tokens * moe.num_experts * (FP32_BYTES if fp32 else dm.e)
+
+
+def _loop_logits_are_held(moe: MoESpec, dm: Dims) -> bool:
+    """Whether the logits the loop holds (``_loop_held_logits``) are the router linear's own
+    output (``moe.router``; no cast between: ``router_logits_held``, or fp32 logits where
+    the linear runs in fp32), which kept adds nothing then."""
+    if not (moe.router_logits_fp32 or moe.router_logits_held):
+        return False
+    return (moe.router_logits_held or moe.router_fp32 or dm.e >= FP32_BYTES)
+
+
+def _loop_shared_moments(spec: ModelSpec, dm: Dims) -> tuple[int, ...]:
     """The reference loop's shared MLP (memplan/profile/reference.py ``MoE.forward``: ``out =
     out + self.shared(flat)`` after the loop; ``MLP.forward``: ``self.down(self._act(self.
     gate(x)) * self.up(x))``) run without saving, beside the loop's locals (``_loop_locals``'
@@ -262,9 +328,12 @@ def _loop_shared_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int, int]:
     output freed by the activation; ungated, the up projection's and the activation's
     outputs), at its down projection the product and the output, at ``out + shared`` the
     shared output and the new sum beside the old ``out`` (T rows, the shared experts' widths
-    together over TP; (0, 0, 0) without shared experts). Traced: the reference model with a
-    Mixtral-like block and two shared experts, fp32, 2 x 128 tokens, under full recompute
-    (tests/traced/test_sac_policy.py)."""
+    together over TP; (0, 0, 0) without shared experts). With a shared-expert gate (``torch.
+    sigmoid(self.shared_gate(flat)) * shared``, Qwen2MoeSparseMoeBlock.forward's) a moment
+    before the sum: at the gate's product the shared output, the sigmoid (T x 1) and the
+    product (the gate projection's output freed by the sigmoid), then the sum as without.
+    Traced: the reference model with a Mixtral-like block and two shared experts, fp32, 2 x
+    128 tokens, under full recompute, gated and not (tests/traced/test_sac_policy.py)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     if not moe.num_shared_experts:
         return 0, 0, 0
@@ -272,7 +341,9 @@ def _loop_shared_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int, int]:
     y = rows * h * e
     inner = dm.tokens * moe.num_shared_experts * moe.shared_expert_ffn_hidden_size // dm.tp * e
     stream = dm.rows * h * e
-    return (y + (3 if spec.mlp.gated else 2) * inner, y + inner + stream, y + 2 * stream)
+    gated = (y + 2 * stream + dm.tokens * e,) if moe.shared_expert_gate else ()
+    return (y + (3 if spec.mlp.gated else 2) * inner, y + inner + stream, *gated,
+            y + 2 * stream)
 
 
 def _loop_shared_working(spec: ModelSpec, dm: Dims) -> int:
@@ -697,7 +768,9 @@ def loop_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[Mome
     rows = dm.tokens * moe.top_k // local
     residual = (dm.stream(h) if spec.norm_placement.pre_norm and wl.norm_impl.upcast
                 and dm.stream_e < FP32_BYTES else 0)
-    beside = dm.tokens * moe.top_k * e + 2 * rows * INDEX_BYTES + residual
+    # a top-k softmax's held fp32 logits, bound, not saved (``_loop_router_bound``)
+    held = _loop_held_logits(moe, dm)
+    beside = dm.tokens * moe.top_k * e + 2 * rows * INDEX_BYTES + residual + held
     last = sum(t.size_bytes for t in moe_terms(spec, dm, MoeImpl.LOOP)
                if t.name in _PER_EXPERT) // local
     # the shared MLP after the loop (``shared_after``): not rebuilt at the last combine; the
@@ -802,7 +875,10 @@ class MoE:
         tests/traced/test_sac_policy.py ``test_full_recompute_on_the_reference_moe_loop``).
         With shared experts, their MLP after the loop where it is larger
         (``_loop_shared_moments``: before, fp32 114,688 B under, -7.47% of the first step's
-        forward on the shared toy)."""
+        forward on the shared toy); behind an fp32 router below fp32, its linear's moment
+        where larger (``_loop_router_moment``). The router's tensors bound to the block's end
+        follow its variant (``_loop_router_bound``: before, fp32 on the reference model,
+        GPT-OSS's router +0.32%, ERNIE's -0.32% of the first step's forward; exact now)."""
         moe, h, e = _moe(spec), spec.hidden_size, dm.e
         stream = dm.rows * h * e
         if wl.moe_impl is MoeImpl.EVERY:
@@ -822,7 +898,8 @@ class MoE:
         bound, before = _loop_locals(spec, dm, rows_e)
         expert = before + rows_e * h * e + max(rows_e * h * e + inner,
                                                (3 if spec.mlp.gated else 2) * inner)
-        return [Moment("mlp", 0, bound + max(expert, _loop_shared_working(spec, dm)))]
+        return [Moment("mlp", 0, max(bound + max(expert, _loop_shared_working(spec, dm)),
+                                     _loop_router_moment(spec, dm)))]
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:

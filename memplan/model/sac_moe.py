@@ -298,11 +298,17 @@ def _loop_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
     """memplan's reference loop (``MoeImpl.LOOP``: memplan/profile/reference.py
     ``MoE.forward``) as (the router's ops, one expert's ops, the shared MLP's ops:
     ``_loop_shared_ops``), ``_moe_ops``' tuples. The
-    router: ``self.router(flat)`` (``aten.mm``, E wide; ``addmm`` with ``router_bias``:
-    saved by no one, kept it skips its rerun), below fp32 ``F.softmax(..., dtype=float32)``'s
+    router (``MoE._route``): ``self.router(flat)`` (``aten.mm``, E wide; ``addmm`` with
+    ``router_bias``: saved by no one, kept it skips its rerun; an fp32 router's casts
+    before it, ``_loop_fp32_casts``), below fp32 ``F.softmax(..., dtype=float32)``'s
     cast of the logits (width E) and the softmax (``moe.router_probs``), ``topk`` and the
     renormalising sum and division (no op a policy counts), below fp32 ``.to(x.dtype)`` of
-    the weights (width k); ``torch.zeros_like``. Then each expert in turn over its rows
+    the weights (width k), ERNIE's clamp of the sum between them (``router_norm_clamped``:
+    ``aten.clamp``, width 1, saved by the division, ``moe.topk_weights``' sums); with
+    ``router_topk_softmax`` (GPT-OSS's, Granite's) ``topk`` of
+    the logits, below fp32 their ``.float()`` first where ``router_logits_fp32`` (width E),
+    the softmax of the k (width k: ``moe.topk_weights``) and, where it ran in fp32, its
+    cast back (width k); ``torch.zeros_like``. Then each expert in turn over its rows
     (``torch.where(chosen == e)``: ``nonzero``, no op a policy counts): ``flat[rows]``
     (``aten.index``, width h: ``moe.dispatched``), its MLP (MLP.forward: the gate
     projection, SiLU, the up projection, their product, the down projection:
@@ -314,20 +320,15 @@ def _loop_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
     together (``Item.repeat``); FLOPs per token: each token's k rows."""
     moe = spec.moe
     assert moe is not None
-    h, e, E, k = spec.hidden_size, dm.e, moe.num_experts, moe.top_k
+    h, k = spec.hidden_size, moe.top_k
     f = moe.expert_ffn_hidden_size // dm.experts().tp
-    low = e < FP32_BYTES
 
     def item(name: str, op: str, width: int, flops: float, own: bool = False,
              covers: str = "") -> tuple:
         covers = covers or name
         return (name, op, width, (covers,), terms[covers], flops, own)
 
-    router = ([("moe.router", MATMUL, E, (), dm.tokens * E * e,
-                2.0 * h * E + (2.0 * E if moe.router_bias else 0.0), True)]
-              + [("", COPY, E, (), 0, 0.0, False)] * low
-              + [item("moe.router_probs", SOFTMAX, E, float(E))]
-              + [("", COPY, k, (), 0, 0.0, False)] * low)
+    router = _loop_router_ops(spec, dm, terms)
     expert = [item("moe.dispatched", INDEX, h, 0.0),
               item("moe.expert.gate", MATMUL, f, k * 2.0 * h * f, own=True),
               item("moe.expert.act", ACTIVATION, f, float(k * f)),
@@ -337,6 +338,56 @@ def _loop_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
               item("moe.routing_weights", INDEX, 1, 0.0),
               item("moe.combine_in", PRODUCT, h, float(k * h))]
     return router, expert, _loop_shared_ops(spec, dm, terms)
+
+
+def _loop_router_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
+                     ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
+    """The reference loop's router ops (``_loop_ops``' router, as its docstring lists them:
+    memplan/profile/reference.py ``MoE._route``)."""
+    moe = spec.moe
+    assert moe is not None
+    h, e, E, k = spec.hidden_size, dm.e, moe.num_experts, moe.top_k
+    low, topk = e < FP32_BYTES, moe.router_topk_softmax
+    fp32_logits = moe.router_fp32 or moe.router_logits_fp32
+
+    def item(name: str, width: int) -> tuple:
+        return (name, SOFTMAX, width, (name,), terms[name], float(width), False)
+
+    return (_loop_fp32_casts(spec, dm, terms)
+            + [("moe.router", MATMUL, E, (),
+                dm.tokens * E * (FP32_BYTES if moe.router_fp32 else e),
+                2.0 * h * E + (2.0 * E if moe.router_bias else 0.0), True)]
+            # the logits' cast to fp32: the softmax's ``dtype`` or ``.float()``
+            + [("", COPY, E, (), 0, 0.0, False)] * (
+                low and not moe.router_fp32 and (moe.router_logits_fp32 or not topk))
+            + [item("moe.topk_weights", k) if topk else item("moe.router_probs", E)]
+            # ERNIE's ``torch.clamp`` of the weights' sum (``router_norm_clamped``)
+            + [("", CLAMP, 1, (), 0, 0.0, False)] * (moe.router_norm_clamped and not topk)
+            # the weights' cast to the block's dtype (a top-k softmax's own dtype: none)
+            + [("", COPY, k, (), 0, 0.0, False)] * (low and (fp32_logits or not topk)))
+
+
+def _loop_fp32_casts(spec: ModelSpec, dm: Dims, terms: dict[str, int]
+                     ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
+    """An fp32 router's casts in the reference loop (``MoESpec.router_fp32``: memplan/
+    profile/reference.py ``Fp32Linear.forward``, DeepseekV3TopkRouter.forward's ``F.linear(
+    hidden_states.type(torch.float32), self.weight.type(torch.float32))``), below fp32: the
+    input's (``aten._to_copy``, width h: ``moe.router_input_fp32``), the weight's (width h,
+    the (E, h) weight's last dimension: ``moe.router_weight_fp32``; E*h FLOPs over the T
+    tokens), both saved by the linear (kept, each adds to the block's working set beyond
+    the linear, which frees them), then with a bias its cast (width E, no item). The linear
+    then runs in fp32 (its logits T E x 4 B), and the softmax's ``dtype=torch.float32``
+    casts nothing. None otherwise (in fp32 the casts return their input)."""
+    moe = spec.moe
+    assert moe is not None
+    h, E = spec.hidden_size, moe.num_experts
+    if not moe.router_fp32 or dm.e >= FP32_BYTES:
+        return []
+    return [("moe.router_input_fp32", COPY, h, ("moe.router_input_fp32",),
+             terms["moe.router_input_fp32"], float(h), True),
+            ("moe.router_weight_fp32", COPY, h, ("moe.router_weight_fp32",),
+             terms["moe.router_weight_fp32"], float(E * h) / dm.tokens, True)] + [
+        ("", COPY, E, (), 0, 0.0, False)] * moe.router_bias
 
 
 def _loop_shared_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
@@ -349,8 +400,12 @@ def _loop_shared_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
     projection and product (``moe.shared.gate``, ``.act``, ``.up``, ``.prod``, the names
     transformers' shared experts' items have: ``_shared_ops``), then its down projection,
     whose output the sum saves for no one: no item, and running last in the layer never
-    rerun (early stop, as a dense MLP's). No shared gate: the reference runs none
-    (``sac_ops.loop_refusal``). Empty without shared experts."""
+    rerun (early stop, as a dense MLP's). With a shared-expert gate (``MoESpec.
+    shared_expert_gate``: the reference's ``torch.sigmoid(self.shared_gate(flat)) * shared``,
+    Qwen2MoeSparseMoeBlock.forward's) the down projection's output is saved by the gate's
+    product (``moe.shared.down``: ``moe.shared_out``), then the gate's h -> 1 projection, its
+    sigmoid (``moe.shared_gate``) and the product (width h, no item: ``_gate_ops``). Empty
+    without shared experts."""
     moe = spec.moe
     assert moe is not None
     if not moe.num_shared_experts:
@@ -361,11 +416,15 @@ def _loop_shared_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
     def item(name: str, op: str, width: int, flops: float, own: bool = False) -> tuple:
         return (name, op, width, (name,), terms[name], flops, own)
 
-    return [item("moe.shared.gate", MATMUL, f, 2.0 * h * f, own=True),
-            item("moe.shared.act", ACTIVATION, f, float(f)),
-            item("moe.shared.up", MATMUL, f, 2.0 * h * f),
-            item("moe.shared.prod", PRODUCT, f, float(f)),
-            ("", MATMUL, h, (), 0, 0.0, False)]
+    ops = [item("moe.shared.gate", MATMUL, f, 2.0 * h * f, own=True),
+           item("moe.shared.act", ACTIVATION, f, float(f)),
+           item("moe.shared.up", MATMUL, f, 2.0 * h * f),
+           item("moe.shared.prod", PRODUCT, f, float(f))]
+    if not moe.shared_expert_gate:
+        return ops + [("", MATMUL, h, (), 0, 0.0, False)]
+    return ops + [("moe.shared.down", MATMUL, h, ("moe.shared_out",), terms["moe.shared_out"],
+                   2.0 * h * f, False)] + _gate_ops(
+        spec, dm, lambda *names: sum(terms[n] for n in names))
 
 
 def _loop_items(spec: ModelSpec, dm: Dims, terms: dict[str, int],

@@ -280,8 +280,9 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     _topk_softmax_ops``; GPT-OSS's, with its bias), and GPT-OSS's biased experts with their
     clamped SwiGLU (``memplan.model.sac_moe._clamped_ops``); and for memplan's reference
     loop (``MoeImpl.LOOP``: ``memplan.model.sac_moe._loop_ops``, fixed counts once every
-    expert receives a row) of gated experts behind the reference's softmax router, with
-    ungated shared experts after the loop. Experts as wide as the hidden size or a head only
+    expert receives a row) of gated experts behind the reference's softmax router (its
+    linear in fp32 where ``router_fp32`` says), with shared experts after the loop, behind
+    a sigmoid gate or not. Experts as wide as the hidden size or a head only
     where every product of that width is counted (``_norm_products_counted``); in the loop
     the shared experts together alike (``loop_refusal``)."""
     moe = spec.moe
@@ -297,7 +298,7 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          "and the loop)"),
         (wl.moe_impl is MoeImpl.LOOP and loop_refusal(spec, wl) is not None,
          loop_refusal(spec, wl) or ""),
-        (moe.router_fp32 and not moe.shared_experts_last,
+        (moe.router_fp32 and not moe.shared_experts_last and wl.moe_impl is not MoeImpl.LOOP,
          "an fp32 softmax router (Hunyuan's; DeepSeek-V3's sigmoid router is modelled)"),
         (moe.clamped_swiglu and not spec.mlp_bias,
          "GPT-OSS's clamped SwiGLU without its expert biases"),
@@ -315,35 +316,48 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
 
 def loop_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why memplan's reference loop (``MoeImpl.LOOP``: memplan/profile/reference.py
-    ``MoE.forward``) is not named op by op for ``spec``, or None. Its router is a softmax
-    in fp32 of one linear, the top-k renormalised and cast to the block's dtype, whatever
-    the spec's router fields say (so the router variants transformers runs, which its
-    whole-layer terms count, are refused here); its shared experts are one MLP of the
+    ``MoE.forward``) is not named op by op for ``spec``, or None. Its router's ops are
+    modelled for a softmax in fp32 of one linear, the top-k renormalised and cast to the
+    block's dtype (Mixtral's; ``router_weights_cast``'s cast is the one the reference makes
+    anyway), its linear on fp32 copies where the spec says so (``router_fp32``), or a
+    softmax of the top-k logits (``router_topk_softmax``, on fp32 logits with
+    ``router_logits_fp32``), ERNIE 4.5's clamped renormalisation and held logits
+    (``router_norm_clamped``, ``router_logits_held``) but not its fp32 weight
+    (``router_weight_fp32``); the other router variants the reference runs (``MoE._route``) are refused; its
+    shared experts are one MLP of the
     experts' kind, the shared experts' widths together, run after the loop whatever the
-    spec's order (``memplan.model.sac_moe._loop_shared_ops``), ungated (a shared-expert gate,
-    whose terms the whole layer counts, is refused). Its counts hold where every expert
+    spec's order (``memplan.model.sac_moe._loop_shared_ops``), behind Qwen2-MoE's sigmoid
+    gate where the spec has one. Its counts hold where every expert
     receives at least one routed row of each micro-batch (an expert with none skips its ops,
     ``if rows.numel() == 0: continue``, and the indices after it shift): refused where the
     micro-batch routes fewer rows than there are experts, so that one is certainly empty;
     assumed otherwise (any realistic batch: thousands of rows over tens of experts)."""
     moe = spec.moe
     assert moe is not None
-    variants = (moe.router_fp32 or moe.router_topk_softmax or moe.router_weights_cast
-                or moe.router_norm_clamped or moe.router_logits_fp32
-                or moe.router_logits_held)
+    # (``router_weights_cast``: the cast the reference makes whatever the spec says;
+    # ``router_fp32``: an fp32 linear, ``sac_moe._loop_fp32_casts``, on a weight of the
+    # model's dtype, which the reference builds whatever ``router_weight_fp32`` says; a top-k
+    # softmax, GPT-OSS's, or Granite's on fp32 logits; ERNIE's clamped renormalisation and
+    # held logits)
+    variants = (moe.router_weight_fp32
+                or (moe.router_logits_fp32 and not moe.router_topk_softmax)
+                or (moe.router_topk_softmax and (moe.router_fp32 or moe.router_norm_clamped
+                                                 or moe.router_logits_held)))
     rows = wl.micro_batch_size * wl.seq_len * moe.top_k
-    checks = ((moe.num_shared_experts > 0 and moe.shared_expert_gate,
-               "a shared-expert gate (Qwen2-MoE's sigmoid shared_expert_gate, which the "
-               "reference does not run)"),
-              (moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
+    checks = ((moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
                in (spec.hidden_size, spec.head_dim) and not _norm_products_counted(spec, wl),
                "shared experts as wide as the hidden size or a head (their product shares "
                "the norms' width; not traced)"),
               (rows < moe.num_experts,
                f"{rows} routed rows a micro-batch for {moe.num_experts} experts (one "
                "receives none and skips its ops)"),
-              (variants, "a router other than a softmax over one linear (Mixtral's)"),
-              (moe.clamped_swiglu, "GPT-OSS's clamped SwiGLU"))
+              (variants, "a router other than a softmax over one linear (Mixtral's, its "
+                         "linear in fp32 or not) or of its top-k logits (GPT-OSS's, Granite's)"),
+              (moe.clamped_swiglu, "GPT-OSS's clamped SwiGLU"),
+              # Granite 4.0-H's hybrid layers: transformers runs their experts grouped
+              (spec.mamba is not None, "Mamba layers (the reference model runs no Mamba "
+               "mixer; transformers' Granite 4.0-H runs its experts grouped: moe_impl "
+               "grouped)"))
     why = next((why for cond, why in checks if cond), None)
     return None if why is None else (
         f"moe_impl loop and {why} (the loop is modelled as memplan/profile/reference.py "

@@ -207,26 +207,75 @@ class MLP(nn.Module):
         return self.down(self._act(self.up(x)))
 
 
+class Fp32Linear(nn.Linear):
+    """A router's linear on fp32 copies of its input and weight (``MoESpec.router_fp32``:
+    transformers 5.3 models/deepseek_v3/modeling_deepseek_v3.py DeepseekV3TopkRouter.forward,
+    ``F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))``), which
+    the linear saves; its logits fp32. A module, so that forward hooks see its logits."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, weight = x.float(), self.weight.float()  # (the casts in this order)
+        return F.linear(x, weight, None if self.bias is None else self.bias.float())
+
+
 class MoE(nn.Module):
-    """Top-k router (softmax in fp32, renormalised weights) over a list of expert MLPs."""
+    """Top-k router over a list of expert MLPs, as the spec's router fields say (``_route``:
+    Mixtral's softmax in fp32 with renormalised weights unless a field names another), the
+    weights cast to the block's dtype; shared experts after the loop, behind a sigmoid gate
+    where the spec has one."""
 
     def __init__(self, spec: ModelSpec, opts: RefOptions, device) -> None:
         super().__init__()
         moe = spec.moe
         assert moe is not None
-        self.top_k = moe.top_k
-        self.router = _linear(spec.hidden_size, moe.num_experts, moe.router_bias, opts, device)
+        self.moe, self.top_k = moe, moe.top_k
+        self.router = (Fp32Linear if moe.router_fp32 else nn.Linear)(
+            spec.hidden_size, moe.num_experts, bias=moe.router_bias, dtype=opts.dtype,
+            device=device)
         self.experts = nn.ModuleList(
             MLP(spec, moe.expert_ffn_hidden_size, opts, device) for _ in range(moe.num_experts))
         self.shared = (MLP(spec, moe.num_shared_experts * moe.shared_expert_ffn_hidden_size,
                            opts, device) if moe.num_shared_experts else None)
+        # Qwen2-MoE's shared_expert_gate (models/qwen2_moe/modeling_qwen2_moe.py
+        # Qwen2MoeSparseMoeBlock.__init__: nn.Linear(hidden_size, 1, bias=False))
+        self.shared_gate = (_linear(spec.hidden_size, 1, False, opts, device)
+                            if self.shared is not None and moe.shared_expert_gate else None)
+
+    def _route(self, flat: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(the top-k weights in ``dtype``, the chosen experts, the tensors the block binds to
+        its end). Mixtral's (models/mixtral/modeling_mixtral.py MixtralTopKRouter.forward):
+        the fp32 softmax of the logits (bound), its top-k renormalised; with
+        ``router_norm_clamped`` by their sum clamped from below (ERNIE 4.5's
+        Ernie4_5_MoeTopKRouter.forward, ``torch.clamp(..., min=self.norm_min)``, 1e-12 in
+        Ernie4_5_MoeConfig). With ``router_topk_softmax`` the softmax of the top-k logits
+        alone, in their dtype (GPT-OSS's GptOssTopKRouter.forward); ``router_logits_fp32``
+        casts the logits to fp32 first (Granite's GraniteMoeTopKRouter.forward,
+        ``F.linear(x, w).float()``), which the block binds, as ``router_logits_held``'s
+        (Ernie4_5_MoeSparseMoeBlock.forward's ``_``); ``router_fp32``: ``Fp32Linear``. The
+        weights' cast to ``dtype`` is ``router_weights_cast``'s (Granite's ``.type_as``,
+        ERNIE's ``.to``), which the reference makes whatever the spec says."""
+        moe = self.moe
+        logits = self.router(flat)
+        if moe.router_logits_fp32:
+            logits = logits.float()
+        held = (logits,) if moe.router_logits_fp32 or moe.router_logits_held else ()
+        if moe.router_topk_softmax:
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)
+            del logits
+            return F.softmax(top, dim=-1, dtype=top.dtype).to(dtype), chosen, held
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        del logits
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        total = weights.sum(dim=-1, keepdim=True)
+        if moe.router_norm_clamped:
+            total = torch.clamp(total, min=1e-12)
+        return (weights / total).to(dtype), chosen, held + (probs,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         flat = x.reshape(b * s, h)
-        probs = F.softmax(self.router(flat), dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        weights, chosen, _held = self._route(flat, x.dtype)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             rows, slot = torch.where(chosen == e)
@@ -235,7 +284,12 @@ class MoE(nn.Module):
             y = expert(flat[rows]) * weights[rows, slot, None]
             out = out.index_add(0, rows, y)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            shared = self.shared(flat)
+            if self.shared_gate is not None:
+                # Qwen2MoeSparseMoeBlock.forward: F.sigmoid(self.shared_expert_gate(
+                # hidden_states)) * shared_expert_output, the shared output made first
+                shared = torch.sigmoid(self.shared_gate(flat)) * shared
+            out = out + shared
         return out.view(b, s, h)
 
 

@@ -1455,3 +1455,209 @@ def test_full_recompute_on_the_reference_moe_loop_with_shared_experts(
         row = result.row(name)
         assert row.estimated_bytes == row.measured_bytes, row
     _assert_rows_within(result.rows)
+
+
+# the loop's shared MLP behind Qwen2-MoE's sigmoid gate (MoESpec.shared_expert_gate; the
+# reference's ``torch.sigmoid(self.shared_gate(flat)) * shared`` after the shared MLP, as
+# Qwen2MoeSparseMoeBlock.forward: memplan.model.sac_moe._loop_shared_ops, _gate_ops). Its
+# down projection's output is saved by the gate's product (moe.shared.down), its h -> 1
+# projection and sigmoid are the layer's only ops of width 1 of their families, the product
+# the last 64-wide one. Before, refused ("a shared-expert gate ... which the reference does
+# not run")
+LOOP_GATED = _variant(LOOP_SHARED, name="tiny-moe-loop-gated",
+                      moe={**LOOP_SHARED.moe.model_dump(), "shared_expert_gate": True})
+LOOP_GATED_GRID = [("bf16-pure", ""), ("bf16-pure", "mlp"),
+                   ("bf16-pure", "moe.shared.down,moe.shared_gate"),
+                   ("fp32", "moe.shared_gate_proj,moe.shared.prod,attn.q")]
+
+
+@pytest.mark.parametrize(("precision", "save"), LOOP_GATED_GRID,
+                         ids=[f"{p}-{s or 'input'}" for p, s in LOOP_GATED_GRID])
+def test_emitted_policy_on_the_reference_moe_loop_with_a_shared_gate(
+        precision: str, save: str, monkeypatch) -> None:
+    _balanced_routing(monkeypatch)
+    wl = make_workload(LOOP_GATED, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="ops", recompute_save=save)
+    assert wl.moe_impl.value == "loop"
+    result = compare(LOOP_GATED, make_layout(1), wl, fake=False)
+    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-pure"])
+def test_full_recompute_on_the_reference_moe_loop_with_a_shared_gate(
+        precision: str, monkeypatch) -> None:
+    """The gated shared MLP after the loop under full recompute: the gate's product
+    (``moe._loop_shared_moments``) and its backward before the shared MLP's. Traced forward
+    peaks exact, every row within TOLERANCE_PCT."""
+    _balanced_routing(monkeypatch)
+    wl = make_workload(LOOP_GATED, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="full")
+    result = compare(LOOP_GATED, make_layout(1), wl, fake=False)
+    for name in ("first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
+# a router that casts its top-k weights to the block's dtype (MoESpec.router_weights_cast:
+# Qwen2-/Qwen3-MoE's TopKRouter.forward in transformers 5.23, ERNIE's, Granite's): the cast
+# the reference's router makes whatever the spec says (``.to(x.dtype)``, memplan/profile/
+# reference.py MoE._route), so its ops and terms are Mixtral's; alone (Qwen3-MoE's) and with
+# the gated shared MLP (Qwen1.5-MoE's, Qwen3-Next's). Before, refused ("a router other than a
+# softmax over one linear")
+LOOP_CAST_GRID = [(LOOP_MOE, "bf16-pure", "moe.router_probs,moe.expert.up"),
+                  (LOOP_GATED, "bf16-pure", "moe.routing_weights,moe.shared_gate")]
+
+
+@pytest.mark.parametrize(("spec", "precision", "save"), LOOP_CAST_GRID,
+                         ids=[f"{m.name}-{p}-{s}" for m, p, s in LOOP_CAST_GRID])
+def test_emitted_policy_on_the_reference_moe_loop_with_cast_weights(
+        spec: ModelSpec, precision: str, save: str, monkeypatch) -> None:
+    _balanced_routing(monkeypatch)
+    spec = _variant(spec, name=f"{spec.name}-cast",
+                    moe={**spec.moe.model_dump(), "router_weights_cast": True})
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="ops", recompute_save=save)
+    result = compare(spec, make_layout(1), wl, fake=False)
+    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
+# the loop behind an fp32 router (MoESpec.router_fp32: the reference's Fp32Linear, F.linear
+# on fp32 copies of the input and the weight as DeepseekV3TopkRouter.forward; memplan.model.
+# sac_moe._loop_fp32_casts), alone and, as DeepSeek-V3's and GLM-4.5's, with a shared expert
+# the spec runs last. Below fp32 its two casts are the layer's 64-wide copies after the
+# norm's. Before, refused ("a router other than a softmax over one linear")
+LOOP_FP32 = _variant(LOOP_MOE, name="tiny-moe-loop-fp32-router",
+                     moe={**LOOP_MOE.moe.model_dump(), "router_fp32": True})
+LOOP_FP32_LAST = _variant(LOOP_SHARED_LAST, name="tiny-moe-loop-fp32-router-shared-last",
+                          moe={**LOOP_SHARED_LAST.moe.model_dump(), "router_fp32": True})
+LOOP_FP32_GRID = [(LOOP_FP32, "bf16-pure", ""), (LOOP_FP32, "bf16-pure", "mlp"),
+                  (LOOP_FP32, "bf16-pure", "moe.router_input_fp32,moe.expert.gate"),
+                  (LOOP_FP32, "fp32", "moe.router,moe.router_probs"),
+                  (LOOP_FP32_LAST, "bf16-pure", "moe.router_weight_fp32,moe.shared.up")]
+
+
+@pytest.mark.parametrize(("spec", "precision", "save"), LOOP_FP32_GRID,
+                         ids=[f"{m.name}-{p}-{s or 'input'}" for m, p, s in LOOP_FP32_GRID])
+def test_emitted_policy_on_the_reference_moe_loop_with_an_fp32_router(
+        spec: ModelSpec, precision: str, save: str, monkeypatch) -> None:
+    _balanced_routing(monkeypatch)
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="ops", recompute_save=save)
+    result = compare(spec, make_layout(1), wl, fake=False)
+    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
+# the loop behind a router that softmaxes its top-k logits (MoESpec.router_topk_softmax: the
+# reference's MoE._route): GPT-OSS's (GptOssTopKRouter.forward: biased, the softmax of the k
+# in the logits' dtype, no cast) and Granite's (GraniteMoeTopKRouter.forward: the logits cast
+# to fp32 and held to the block's end, router_logits_fp32; the softmax's output cast back,
+# router_weights_cast), the latter also with a shared expert the spec runs last (Granite
+# 4.0-H's). Before, refused ("a router other than a softmax over one linear")
+_TOPK = {"router_topk_softmax": True}
+_GRANITE = {**_TOPK, "router_logits_fp32": True, "router_weights_cast": True}
+LOOP_TOPK = _variant(LOOP_MOE, name="tiny-moe-loop-topk",
+                     moe={**LOOP_MOE.moe.model_dump(), **_TOPK, "router_bias": True})
+LOOP_GRANITE = _variant(LOOP_MOE, name="tiny-moe-loop-granite",
+                        moe={**LOOP_MOE.moe.model_dump(), **_GRANITE})
+LOOP_GRANITE_LAST = _variant(LOOP_SHARED_LAST, name="tiny-moe-loop-granite-shared-last",
+                             moe={**LOOP_SHARED_LAST.moe.model_dump(), **_GRANITE})
+LOOP_TOPK_GRID = [(LOOP_TOPK, "bf16-pure", ""), (LOOP_TOPK, "bf16-pure", "mlp"),
+                  (LOOP_GRANITE, "bf16-pure", ""), (LOOP_GRANITE, "bf16-pure", "mlp"),
+                  (LOOP_GRANITE, "bf16-pure", "moe.topk_weights,moe.router"),
+                  (LOOP_GRANITE, "fp32", "moe.topk_weights,moe.expert.act"),
+                  (LOOP_GRANITE_LAST, "bf16-pure", "moe.topk_weights,moe.shared.prod"),
+                  # fp32, where the block's locals set the forward's peak to the byte
+                  (LOOP_TOPK, "fp32", "moe.topk_weights,moe.expert.gate")]
+
+
+@pytest.mark.parametrize(("spec", "precision", "save"), LOOP_TOPK_GRID,
+                         ids=[f"{m.name}-{p}-{s or 'input'}" for m, p, s in LOOP_TOPK_GRID])
+def test_emitted_policy_on_the_reference_moe_loop_with_a_topk_softmax(
+        spec: ModelSpec, precision: str, save: str, monkeypatch) -> None:
+    _balanced_routing(monkeypatch)
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="ops", recompute_save=save)
+    result = compare(spec, make_layout(1), wl, fake=False)
+    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
+@pytest.mark.parametrize("spec", [LOOP_TOPK, LOOP_GRANITE], ids=lambda s: s.name)
+def test_full_recompute_on_the_reference_moe_loop_with_a_topk_softmax(
+        spec: ModelSpec, monkeypatch) -> None:
+    """The loop's locals behind a top-k softmax (``moe._loop_router_bound``): no fp32
+    probabilities, Granite's held fp32 logits instead (T E x 4 B, also beside the rerun's
+    stop: ``moe.loop_rerun``). fp32, where the block's locals set the forward's peak to the
+    byte. Traced forward peaks exact, every row within TOLERANCE_PCT."""
+    _balanced_routing(monkeypatch)
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision="fp32",
+                       recompute="full")
+    result = compare(spec, make_layout(1), wl, fake=False)
+    for name in ("first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
+# the loop behind ERNIE 4.5's router variants but its fp32 weight (the reference builds the
+# router's weight in the model's dtype): its fp32 linear (router_fp32), the logits held to the
+# block's end (router_logits_held: moe._loop_held_logits, beside Mixtral's probabilities) and
+# the sum clamped from below (router_norm_clamped: an aten.clamp of width 1, sac_moe._loop_ops);
+# and held logits of the model's dtype behind a plain linear. Before, refused ("a router
+# other than a softmax over one linear"). Not in the grid: moe.router kept where the held
+# logits are the linear's own output (ERNIE's; Granite's in fp32): memplan counts them once
+# (moe._loop_logits_are_held), as the reference runs without the routing hook (the checkpointed
+# MoE block alone, Granite's fp32 logits kept or not: 142,336 B alive at ``zeros_like``
+# either way; Mixtral's kept +4,096 B, T E x 4), but the hook's ``out + ...`` makes the held
+# logits a tensor of their own, T E more in the trace
+_ERNIE = {"router_fp32": True, "router_logits_held": True, "router_norm_clamped": True,
+          "router_weights_cast": True}
+LOOP_ERNIE = _variant(LOOP_MOE, name="tiny-moe-loop-ernie",
+                      moe={**LOOP_MOE.moe.model_dump(), **_ERNIE})
+LOOP_HELD = _variant(LOOP_MOE, name="tiny-moe-loop-held",
+                     moe={**LOOP_MOE.moe.model_dump(), "router_logits_held": True,
+                          "router_norm_clamped": True})
+LOOP_ERNIE_GRID = [(LOOP_ERNIE, "bf16-pure", ""),
+                   (LOOP_ERNIE, "bf16-pure", "moe.router_input_fp32,moe.router_probs"),
+                   (LOOP_ERNIE, "fp32", "moe.router_probs,moe.expert.gate"),
+                   (LOOP_HELD, "bf16-pure", "moe.router_probs,moe.expert.down")]
+
+
+@pytest.mark.parametrize(("spec", "precision", "save"), LOOP_ERNIE_GRID,
+                         ids=[f"{m.name}-{p}-{s or 'input'}" for m, p, s in LOOP_ERNIE_GRID])
+def test_emitted_policy_on_the_reference_moe_loop_with_held_logits(
+        spec: ModelSpec, precision: str, save: str, monkeypatch) -> None:
+    _balanced_routing(monkeypatch)
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="ops", recompute_save=save)
+    result = compare(spec, make_layout(1), wl, fake=False)
+    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
+def test_full_recompute_on_the_reference_moe_loop_with_held_logits(monkeypatch) -> None:
+    """ERNIE's held fp32 logits beside the probabilities in the checkpointed forward and
+    beside the rerun's stop (``moe._loop_router_bound``, ``moe.loop_rerun``), fp32. Traced
+    forward peaks exact, every row within TOLERANCE_PCT."""
+    _balanced_routing(monkeypatch)
+    wl = make_workload(LOOP_ERNIE, seq_len=128, micro_batch_size=2, precision="fp32",
+                       recompute="full")
+    result = compare(LOOP_ERNIE, make_layout(1), wl, fake=False)
+    for name in ("first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)

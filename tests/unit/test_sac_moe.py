@@ -229,14 +229,14 @@ def test_loop_policy_names_each_expert() -> None:
 
 
 def test_loop_refused_with_what_the_reference_does_not_run() -> None:
-    """The reference loop runs a softmax over one linear and no shared-expert gate; shared
-    experts as wide as the hidden size share the norms' products' width."""
+    """The loop refuses a router it does not run (ERNIE 4.5's fp32 weight: the reference
+    builds the router's weight in the model's dtype); shared experts as wide as the hidden
+    size share the norms' products' width."""
     shared = {"num_shared_experts": 1, "shared_expert_ffn_hidden_size": 128}
-    for update, why in (({**shared, "shared_expert_gate": True},
-                         "moe_impl loop and a shared-expert gate"),
-                        ({**shared, "shared_expert_ffn_hidden_size": 64},
+    for update, why in (({**shared, "shared_expert_ffn_hidden_size": 64},
                          "shared experts as wide as the hidden size"),
-                        ({"router_weights_cast": True}, "moe_impl loop and a router")):
+                        ({"router_fp32": True, "router_weight_fp32": True},
+                         "moe_impl loop and a router")):
         spec = TINY_MOE.model_copy(update={"moe": TINY_MOE.moe.model_copy(update=update)})
         with pytest.raises(MemplanError, match=why):
             estimate(spec, seq_len=128, micro_batch_size=2, moe_impl="loop", recompute="ops")
@@ -294,6 +294,149 @@ def test_loop_shared_forward_moments_by_hand() -> None:
     shared = [{n for n in adds if n.startswith("moe.shared")} for _, adds in moments]
     assert shared == [{"moe.shared.gate"}, {"moe.shared.gate", "moe.shared.act", "moe.shared.up"},
                       {"moe.shared.gate", "moe.shared.act", "moe.shared.up", "moe.shared.prod"}]
+
+
+LOOP_GATED = LOOP_SHARED.model_copy(update={"name": "tiny-moe-loop-gated",
+                                            "moe": LOOP_SHARED.moe.model_copy(update={
+                                                "shared_expert_gate": True})})
+
+
+def test_loop_shared_gate_items_by_hand() -> None:
+    """The reference loop's shared MLP behind Qwen2-MoE's gate (``torch.sigmoid(self.
+    shared_gate(flat)) * shared`` after the shared MLP; ``sac_moe._loop_shared_ops``), bf16,
+    T = 256, f_s 96: the shared down projection's output, saved by the gate's product,
+    T*h*e = 32,768 B (``moe.shared.down``: the layer's 7th 64-wide matmul, after q, the
+    output projection and the 4 experts' down projections; 2*h*f_s = 12,288 FLOPs a token);
+    the gate's h -> 1 projection T*1*e = 512 B (2*h = 128 FLOPs) and its sigmoid 512 B (1
+    FLOP), the layer's first ops of width 1 of their families. The policy counts per layer 7
+    64-wide matmuls and 9 64-wide products (the two upcast RMSNorms' two each, the 4
+    experts' weightings and the gate's product)."""
+    moe = {i.name: (i.size_bytes, i.flops_per_token, i.op, i.width, i.nth, i.repeat)
+           for i in _items(LOOP_GATED, moe_impl="loop", precision="bf16-pure")
+           if i.name in ("moe.shared.down", "moe.shared_gate_proj", "moe.shared_gate")}
+    assert moe == {"moe.shared.down": (32_768, 12_288.0, "matmul", 64, 6, 1),
+                   "moe.shared_gate_proj": (512, 128.0, "matmul", 1, 0, 1),
+                   "moe.shared_gate": (512, 1.0, "act", 1, 0, 1)}
+    counts = _policy_ops(LOOP_GATED, "loop")
+    assert (counts[("matmul", 64)], counts[("mul", 64)]) == (7, 9)
+
+
+def test_loop_shared_gate_forward_moments_by_hand() -> None:
+    """The gate's product in the checkpointed forward (``moe._loop_shared_moments``), bf16,
+    T = 256: beside the last expert's ``y`` (16,384) the shared output and the product (2 *
+    T*h*e = 65,536) and the sigmoid (T*e = 512): 82,432, between the down projection's
+    98,304 and the sum's 81,920 (``test_loop_shared_forward_moments_by_hand``); with the
+    loop's bound locals (44,032) 126,464. Kept, the gate projection's output is alive beyond
+    the product's moment; at the sum the sigmoid's and the down projection's too."""
+    from memplan.model.moe import _loop_shared_moments, loop_kept_moments
+
+    wl = make_workload(LOOP_GATED, **{**FIELDS, "moe_impl": "loop"}, precision="bf16-pure",
+                       recompute="full")
+    dm = Dims.of(LOOP_GATED, make_layout(1), wl)
+    assert _loop_shared_moments(LOOP_GATED, dm) == (163_840, 98_304, 82_432, 81_920)
+    moments = loop_kept_moments(LOOP_GATED, dm)[-2:]
+    assert [value for value, _ in moments] == [126_464, 125_952]
+    gate = [{n for n in adds if n.startswith("moe.shared_") or n == "moe.shared.down"}
+            for _, adds in moments]
+    assert gate == [{"moe.shared_gate_proj"},
+                    {"moe.shared_gate_proj", "moe.shared_gate", "moe.shared.down"}]
+
+
+def test_loop_fp32_router_by_hand() -> None:
+    """The reference loop behind an fp32 router (``router_fp32``: memplan/profile/reference.py
+    Fp32Linear, DeepseekV3TopkRouter.forward's F.linear on fp32 copies; ``sac_moe.
+    _loop_fp32_casts``), bf16, T = 256: the input's copy T*h*4 = 65,536 B (h = 64 FLOPs a
+    token) and the weight's E*h*4 = 1,024 B (E*h/T = 1 FLOP a token), the layer's 5th and
+    6th 64-wide copies (after the two upcast RMSNorms' two each), both kept beyond the
+    block's working set; the logits fp32, T*E*4 = 4,096 B, and no cast of them (the
+    policy counts no 4-wide copy, the weights' cast back still). In the checkpointed
+    forward the linear's moment holds the two copies and the logits, 70,656 B, nothing of
+    the loop made yet; the last expert's product (44,032 B of the loop's locals and 106,496
+    of the expert's: ``test_loop_shared_forward_moments_by_hand``) stays the working set's,
+    150,528."""
+    from memplan.model.moe import BEFORE_LOOP, MoE, loop_kept_moments
+
+    spec = TINY_MOE.model_copy(update={"name": "tiny-moe-fp32-router", "moe": TINY_MOE.moe
+                                       .model_copy(update={"router_fp32": True})})
+    moe = {i.name: (i.size_bytes, i.flops_per_token, i.op, i.width, i.nth, i.own_extra)
+           for i in _items(spec, moe_impl="loop", precision="bf16-pure")
+           if i.name.startswith("moe.router")}
+    assert moe == {"moe.router_input_fp32": (65_536, 64.0, "copy", 64, 4, True),
+                   "moe.router_weight_fp32": (1_024, 1.0, "copy", 64, 5, True),
+                   "moe.router": (4_096, 512.0, "matmul", 4, 0, True),
+                   "moe.router_probs": (4_096, 4.0, "softmax", 4, 0, False)}
+    counts = _policy_ops(spec, "loop")
+    assert (counts[("copy", 64)], counts.get(("copy", 4), 0), counts[("copy", 2)]) == (6, 0, 1)
+    wl = make_workload(spec, **{**FIELDS, "moe_impl": "loop"}, precision="bf16-pure",
+                       recompute="full")
+    dm = Dims.of(spec, make_layout(1), wl)
+    assert loop_kept_moments(spec, dm)[0] == (70_656, frozenset({BEFORE_LOOP}))
+    assert MoE().working_set(spec, wl, dm)[0].transient_bytes == 150_528
+
+
+def test_loop_topk_softmax_router_by_hand() -> None:
+    """The reference loop behind a softmax of the top-k logits (``router_topk_softmax``:
+    memplan/profile/reference.py MoE._route), bf16, T = 256, R = T*k = 512. Granite's
+    (``router_logits_fp32``, ``router_weights_cast``): the logits T*E*e = 2,048 B, their
+    ``.float()`` (a 4-wide copy), the softmax of the k (``moe.topk_weights``, width 2, fp32:
+    R*4 = 2,048 B, k = 2 FLOPs a token), its cast back (a 2-wide copy); the held fp32 logits
+    T*E*4 = 4,096 B take the place of Mixtral's probabilities among the loop's locals
+    (44,032 B). GPT-OSS's (biased, its softmax in the logits' dtype): no copies, nothing
+    held: the locals 4,096 B fewer, 39,936. Kept below fp32, Granite's fp32 softmax output
+    is alive beyond the experts' moments (its cast is the weights the loop reads)."""
+    from memplan.model.moe import _loop_locals, loop_kept_moments
+
+    def variant(**update) -> ModelSpec:
+        return TINY_MOE.model_copy(update={"name": "tiny-moe-topk", "moe": TINY_MOE.moe
+                                           .model_copy(update={"router_topk_softmax": True,
+                                                               **update})})
+
+    granite = variant(router_logits_fp32=True, router_weights_cast=True)
+    gpt_oss = variant(router_bias=True)
+    moe = {i.name: (i.size_bytes, i.flops_per_token, i.op, i.width, i.nth)
+           for i in _items(granite, moe_impl="loop", precision="bf16-pure")
+           if i.name in ("moe.router", "moe.topk_weights")}
+    assert moe == {"moe.router": (2_048, 512.0, "matmul", 4, 0),
+                   "moe.topk_weights": (2_048, 2.0, "softmax", 2, 0)}
+    ops = [{k: v for k, v in _policy_ops(spec, "loop").items() if k in (
+        ("copy", 4), ("copy", 2), ("softmax", 2), ("softmax", 4))} for spec in (granite, gpt_oss)]
+    assert ops == [{("copy", 4): 1, ("copy", 2): 1, ("softmax", 2): 1}, {("softmax", 2): 1}]
+    wl = make_workload(granite, **{**FIELDS, "moe_impl": "loop"}, precision="bf16-pure",
+                       recompute="full")
+    dm = Dims.of(granite, make_layout(1), wl)
+    assert [_loop_locals(spec, dm, 128)[0] for spec in (granite, gpt_oss)] == [44_032, 39_936]
+    assert all("moe.topk_weights" in adds for _, adds in loop_kept_moments(granite, dm))
+
+
+def test_loop_held_logits_and_clamped_sum_by_hand() -> None:
+    """ERNIE 4.5's router variants in the reference loop (memplan/profile/reference.py
+    MoE._route), bf16, T = 256, E = 4: the sum clamped from below (``router_norm_clamped``)
+    adds an ``aten.clamp`` of width 1 the policy counts; the held logits
+    (``router_logits_held``) stay bound beside Mixtral's fp32 probabilities (4,096 B): of the
+    model's dtype behind a plain linear, T*E*e = 2,048 B (the loop's locals 44,032 + 2,048 =
+    46,080), fp32 behind an fp32 linear (``router_fp32``), T*E*4 = 4,096 B (48,128), beside
+    the rerun's stop too. Held, the logits are the linear's own output: kept, ``moe.router``
+    adds nothing beyond the block's moments (not among any moment's kept names)."""
+    from memplan.model.moe import MoE, _loop_locals, loop_kept_moments
+
+    def variant(**update) -> ModelSpec:
+        return TINY_MOE.model_copy(update={"name": "tiny-moe-held", "moe": TINY_MOE.moe
+                                           .model_copy(update={"router_logits_held": True,
+                                                               **update})})
+
+    held, ernie = variant(), variant(router_fp32=True, router_norm_clamped=True,
+                                     router_weights_cast=True)
+    assert _policy_ops(ernie, "loop")[("clamp", 1)] == 1
+    assert ("clamp", 1) not in _policy_ops(held, "loop")
+    wl = make_workload(held, **{**FIELDS, "moe_impl": "loop"}, precision="bf16-pure",
+                       recompute="full")
+    dm = Dims.of(held, make_layout(1), wl)
+    assert [_loop_locals(spec, dm, 128)[0] for spec in (held, ernie)] == [46_080, 48_128]
+    assert all("moe.router" not in adds for spec in (held, ernie)
+               for _, adds in loop_kept_moments(spec, dm))
+    plain = MoE().rebuild_moments(TINY_MOE, wl, dm)
+    rerun = MoE().rebuild_moments(ernie, wl, dm)
+    assert [m.transient_bytes - p.transient_bytes for m, p in zip(rerun, plain)] == [4_096] * 2
 
 
 SHARED = TINY_MOE.model_copy(update={"name": "tiny-moe-shared", "moe": TINY_MOE.moe.model_copy(
