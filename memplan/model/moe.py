@@ -346,6 +346,22 @@ def _loop_shared_moments(spec: ModelSpec, dm: Dims) -> tuple[int, ...]:
             y + 2 * stream)
 
 
+def _loop_expert_inner(spec: ModelSpec) -> int:
+    """How many of its r x f tensors the reference loop's expert holds at its product
+    (``MoE.working_set``): a gated MLP's activation, up projection and product (the gate's
+    output freed by the activation), an ungated one's up projection and activation; GPT-OSS's
+    clamped expert (memplan/profile/reference.py ``ClampedExpert``, ``clamped_swiglu``) at
+    ``(up + 1) * glu`` its gate/up output (2 f, pinned by the clamps' saved views), the
+    clamped gate and up, glu, up + 1 and the product (``gate * alpha`` and the sigmoid freed
+    by glu's product; the biases' adds are the linears' own: ``addmm``). Traced: the
+    reference model with a GPT-OSS-like block, fp32 and bf16, 2 x 128 tokens, under full
+    recompute (tests/traced/test_sac_policy.py; before, 3 f: 196,608 B under in fp32,
+    -13.3% of the first step's forward)."""
+    if _moe(spec).clamped_swiglu:
+        return 7
+    return 3 if spec.mlp.gated else 2
+
+
 def _loop_shared_working(spec: ModelSpec, dm: Dims) -> int:
     """The largest of the loop's shared MLP moments (``_loop_shared_moments``)."""
     return max(_loop_shared_moments(spec, dm))
@@ -741,7 +757,10 @@ def grouped_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[M
 # the loop's saved terms each expert makes over its own rows (``moe_terms``, loop)
 _PER_EXPERT = frozenset({"moe.token_index", "moe.dispatched", "moe.expert.gate",
                          "moe.expert.act", "moe.expert.up", "moe.expert.prod",
-                         "moe.expert_out", "moe.routing_weights", "moe.combine_in"})
+                         "moe.expert_out", "moe.routing_weights", "moe.combine_in",
+                         # GPT-OSS's clamped expert's (``_expert_terms``)
+                         "moe.expert.gate_up", "moe.expert.gate_clamped",
+                         "moe.expert.sigmoid", "moe.expert.glu", "moe.expert.up_plus_one"})
 
 
 def loop_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[Moment]:
@@ -897,7 +916,7 @@ class MoE:
         inner = rows_e * moe.expert_ffn_hidden_size // dm.experts().tp * e
         bound, before = _loop_locals(spec, dm, rows_e)
         expert = before + rows_e * h * e + max(rows_e * h * e + inner,
-                                               (3 if spec.mlp.gated else 2) * inner)
+                                               _loop_expert_inner(spec) * inner)
         return [Moment("mlp", 0, max(bound + max(expert, _loop_shared_working(spec, dm)),
                                      _loop_router_moment(spec, dm)))]
 

@@ -1661,3 +1661,51 @@ def test_full_recompute_on_the_reference_moe_loop_with_held_logits(monkeypatch) 
         row = result.row(name)
         assert row.estimated_bytes == row.measured_bytes, row
     _assert_rows_within(result.rows)
+
+
+# the loop with GPT-OSS's clamped SwiGLU experts (MoESpec.clamped_swiglu, biased:
+# ModelSpec.mlp_bias; the reference's ClampedExpert, GptOssExperts.forward's per-expert branch
+# and _apply_gate) behind GPT-OSS's biased top-k softmax router, as the catalog's gpt-oss:
+# sac_moe._loop_clamped_ops, moe._loop_clamped_kept. Before, refused ("GPT-OSS's clamped
+# SwiGLU")
+LOOP_CLAMPED = _variant(LOOP_TOPK, name="tiny-moe-loop-clamped", mlp_bias=True,
+                        moe={**LOOP_TOPK.moe.model_dump(), "clamped_swiglu": True,
+                             "stacked_experts": True})
+LOOP_CLAMPED_GRID = [("bf16-pure", ""), ("bf16-pure", "mlp"),
+                     ("bf16-pure", "moe.expert.gate_up,moe.expert.glu"),
+                     ("bf16-pure", "moe.expert.sigmoid,moe.expert.up_plus_one,attn.q"),
+                     ("fp32", "moe.expert.gate_clamped,moe.expert.down"),
+                     ("fp32", "mlp")]
+
+
+@pytest.mark.parametrize(("precision", "save"), LOOP_CLAMPED_GRID,
+                         ids=[f"{p}-{s or 'input'}" for p, s in LOOP_CLAMPED_GRID])
+def test_emitted_policy_on_the_reference_moe_loop_with_clamped_experts(
+        precision: str, save: str, monkeypatch) -> None:
+    _balanced_routing(monkeypatch)
+    wl = make_workload(LOOP_CLAMPED, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="ops", recompute_save=save)
+    assert wl.moe_impl.value == "loop"
+    result = compare(LOOP_CLAMPED, make_layout(1), wl, fake=False)
+    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-pure"])
+def test_full_recompute_on_the_reference_moe_loop_with_clamped_experts(
+        precision: str, monkeypatch) -> None:
+    """The clamped expert in the loop's checkpointed forward (``MoE.working_set``) and at
+    the rerun's stop (``moe.loop_rerun``: the last expert's clamped terms not rebuilt yet).
+    Traced forward peaks exact, every row within TOLERANCE_PCT."""
+    _balanced_routing(monkeypatch)
+    wl = make_workload(LOOP_CLAMPED, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="full")
+    result = compare(LOOP_CLAMPED, make_layout(1), wl, fake=False)
+    for row in result.rows:
+        print(row)
+    for name in ("first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
