@@ -353,7 +353,6 @@ def loop_refusal(spec: ModelSpec, wl: Workload) -> str | None:
                "receives none and skips its ops)"),
               (variants, "a router other than a softmax over one linear (Mixtral's, its "
                          "linear in fp32 or not) or of its top-k logits (GPT-OSS's, Granite's)"),
-              (moe.clamped_swiglu, "GPT-OSS's clamped SwiGLU"),
               # Granite 4.0-H's hybrid layers: transformers runs their experts grouped
               (spec.mamba is not None, "Mamba layers (the reference model runs no Mamba "
                "mixer; transformers' Granite 4.0-H runs its experts grouped: moe_impl "
