@@ -800,7 +800,7 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     return full._replace(terms=full.terms + terms, saved_bytes=full.saved_bytes + total(terms),
                          forward_peak_bytes=peak, forward_blocks=(),
                          moments=_cached_at_rerun(spec, wl, dm,
-                                                  _clamped_rerun(spec, dm, _cached_ahead(
+                                                  _clamped_rerun(spec, wl, dm, _cached_ahead(
                                                       spec, wl, full.moments, kept), items,
                                                       kept),
                                                   items, kept))
@@ -835,7 +835,7 @@ def _cached_ahead(spec: ModelSpec, wl: Workload, moments: tuple[LayerMoment, ...
                  for m in moments)
 
 
-def _clamped_rerun(spec: ModelSpec, dm: Dims, moments: tuple[LayerMoment, ...],
+def _clamped_rerun(spec: ModelSpec, wl: Workload, dm: Dims, moments: tuple[LayerMoment, ...],
                    items: tuple[sac_ops.Item, ...], kept: tuple[sac_ops.Item, ...]
                    ) -> tuple[LayerMoment, ...]:
     """GPT-OSS's biased, clamped experts (``sac_moe._clamped_ops``) rerun in backward with
@@ -851,9 +851,11 @@ def _clamped_rerun(spec: ModelSpec, dm: Dims, moments: tuple[LayerMoment, ...],
     neither is above X where f <= h (GPT-OSS: equal at the product). Traced: transformers'
     GPT-OSS narrowed (f = h = 128), bf16, 2 x 64 tokens, keeping the clamped gate, sigmoid,
     up + 1 and down projection: the rerun's product with the cached down projection's output
-    the backward's peak, +65,536 B above X (tests/traced/test_sac_policy.py)."""
+    the backward's peak, +65,536 B above X (tests/traced/test_sac_policy.py). Grouped
+    experts only: the reference loop's rerun (``moe.loop_rerun``) stops before any of this."""
     moe = spec.moe
-    if moe is None or not moe.clamped_swiglu or not kept:
+    if (moe is None or not moe.clamped_swiglu or not kept
+            or wl.moe_impl is MoeImpl.LOOP):
         return moments
     rows, h, e = dm.tokens * moe.top_k, spec.hidden_size, dm.e
     inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e

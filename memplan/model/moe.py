@@ -215,13 +215,14 @@ def loop_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[st
         {"moe.topk_weights"} if moe.router_topk_softmax and e < FP32_BYTES
         and (moe.router_logits_fp32 or moe.router_fp32) else set()) | (
         set() if _loop_logits_are_held(moe, dm) else {"moe.router"})
-    mlp_in = {"moe.expert.gate", "moe.expert.act", "moe.expert.up"}
-    done = mlp_in | {"moe.dispatched", "moe.expert.prod"}
+    at_prod, at_down, made = _loop_expert_kept(spec)
+    done = made | {"moe.dispatched"}
     loop = router | done | {"moe.expert.down", "moe.routing_weights"}
     first = _loop_router_moment(spec, dm)
+    prod, down = _loop_expert_inner(spec)
     return [(first, frozenset({BEFORE_LOOP}))] * bool(first) + [
-        (bound + before + rh + 3 * inner, frozenset(router | {"moe.expert.gate"})),
-            (bound + before + 2 * rh + inner, frozenset(router | mlp_in)),
+        (bound + before + rh + prod * inner, frozenset(router | at_prod)),
+            (bound + before + 2 * rh + down * inner, frozenset(router | at_down)),
             (bound + before + 2 * rh + rows * e, frozenset(router | done)),
             (bound + dm.rows * h * e + rh, frozenset(loop))] + _loop_shared_kept(
                 spec, dm, bound, loop)
@@ -344,6 +345,39 @@ def _loop_shared_moments(spec: ModelSpec, dm: Dims) -> tuple[int, ...]:
     gated = (y + 2 * stream + dm.tokens * e,) if moe.shared_expert_gate else ()
     return (y + (3 if spec.mlp.gated else 2) * inner, y + inner + stream, *gated,
             y + 2 * stream)
+
+
+def _loop_expert_inner(spec: ModelSpec, ops: bool = True) -> tuple[int, int]:
+    """How many of its r x f tensors the reference loop's expert holds at its product and at
+    its down projection (beside ``flat[rows]``, and there its output, r x h): a gated MLP's
+    activation, up projection and product (the gate's output freed by the activation; ``ops``
+    False, the working set under full recompute: an ungated one's up projection and
+    activation), then the product; GPT-OSS's clamped expert (memplan/profile/reference.py
+    ``ClampedExpert``, ``clamped_swiglu``) at ``(up + 1) * glu`` its gate/up output (2 f,
+    a local), the clamped gate and up, glu, up + 1 and the product (``gate * alpha`` and the
+    sigmoid freed by glu's product; the biases' adds are the linears' own: ``addmm``), then
+    all but up + 1 (the locals bound until the expert returns). Traced: the reference model
+    with a GPT-OSS-like block, fp32 and bf16, 2 x 128 tokens, under full recompute and
+    op-level checkpointing (tests/traced/test_sac_policy.py; before, 3 f at the product:
+    196,608 B under in fp32, -13.3% of the first step's forward under full recompute)."""
+    if _moe(spec).clamped_swiglu:
+        return 7, 6
+    return (3 if spec.mlp.gated or ops else 2), 1
+
+
+def _loop_expert_kept(spec: ModelSpec) -> tuple[set[str], set[str], set[str]]:
+    """The running expert's kept items alive beyond the checkpointed forward's moments at
+    its product and at its down projection (``_loop_expert_inner``), which it had freed: a
+    gated MLP's gate projection output (freed by the activation), then also the
+    activation's and up projection's (freed by the product); GPT-OSS's clamped expert's
+    sigmoid (freed by glu's product), then also up + 1 (freed by the product); and all its
+    MLP's items before the down projection (freed as the expert returns)."""
+    if _moe(spec).clamped_swiglu:
+        return ({"moe.expert.sigmoid"}, {"moe.expert.sigmoid", "moe.expert.up_plus_one"},
+                {"moe.expert.gate_up", "moe.expert.gate_clamped", "moe.expert.sigmoid",
+                 "moe.expert.glu", "moe.expert.up_plus_one", "moe.expert.prod"})
+    mlp_in = {"moe.expert.gate", "moe.expert.act", "moe.expert.up"}
+    return {"moe.expert.gate"}, mlp_in, mlp_in | {"moe.expert.prod"}
 
 
 def _loop_shared_working(spec: ModelSpec, dm: Dims) -> int:
@@ -741,7 +775,10 @@ def grouped_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[M
 # the loop's saved terms each expert makes over its own rows (``moe_terms``, loop)
 _PER_EXPERT = frozenset({"moe.token_index", "moe.dispatched", "moe.expert.gate",
                          "moe.expert.act", "moe.expert.up", "moe.expert.prod",
-                         "moe.expert_out", "moe.routing_weights", "moe.combine_in"})
+                         "moe.expert_out", "moe.routing_weights", "moe.combine_in",
+                         # GPT-OSS's clamped expert's (``_expert_terms``)
+                         "moe.expert.gate_up", "moe.expert.gate_clamped",
+                         "moe.expert.sigmoid", "moe.expert.glu", "moe.expert.up_plus_one"})
 
 
 def loop_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[Moment]:
@@ -896,8 +933,8 @@ class MoE:
         rows_e = dm.tokens * moe.top_k * dm.ep // moe.num_experts  # a local expert's
         inner = rows_e * moe.expert_ffn_hidden_size // dm.experts().tp * e
         bound, before = _loop_locals(spec, dm, rows_e)
-        expert = before + rows_e * h * e + max(rows_e * h * e + inner,
-                                               (3 if spec.mlp.gated else 2) * inner)
+        prod, down = _loop_expert_inner(spec, ops=False)
+        expert = before + rows_e * h * e + max(rows_e * h * e + down * inner, prod * inner)
         return [Moment("mlp", 0, max(bound + max(expert, _loop_shared_working(spec, dm)),
                                      _loop_router_moment(spec, dm)))]
 

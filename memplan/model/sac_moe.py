@@ -312,7 +312,8 @@ def _loop_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
     (``torch.where(chosen == e)``: ``nonzero``, no op a policy counts): ``flat[rows]``
     (``aten.index``, width h: ``moe.dispatched``), its MLP (MLP.forward: the gate
     projection, SiLU, the up projection, their product, the down projection:
-    ``moe.expert_out``, saved by the weighting), ``weights[rows, slot, None]`` (``aten.
+    ``moe.expert_out``, saved by the weighting; GPT-OSS's clamped expert's:
+    ``_loop_clamped_ops``), ``weights[rows, slot, None]`` (``aten.
     index`` of the unsqueezed (T, k, 1) weights: width 1, ``moe.routing_weights``), the
     weighting (``aten.mul``, width h: ``moe.combine_in``, which ``index_add`` saves) and
     ``out.index_add(0, rows, y)`` (none counted). Traced on CPU, bf16 and fp32 (tests/traced/
@@ -329,15 +330,52 @@ def _loop_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
         return (name, op, width, (covers,), terms[covers], flops, own)
 
     router = _loop_router_ops(spec, dm, terms)
-    expert = [item("moe.dispatched", INDEX, h, 0.0),
-              item("moe.expert.gate", MATMUL, f, k * 2.0 * h * f, own=True),
-              item("moe.expert.act", ACTIVATION, f, float(k * f)),
-              item("moe.expert.up", MATMUL, f, k * 2.0 * h * f),
-              item("moe.expert.prod", PRODUCT, f, float(k * f)),
-              item("moe.expert.down", MATMUL, h, k * 2.0 * h * f, covers="moe.expert_out"),
+    mlp = (_loop_clamped_ops(spec, dm, terms) if moe.clamped_swiglu else [
+        item("moe.expert.gate", MATMUL, f, k * 2.0 * h * f, own=True),
+        item("moe.expert.act", ACTIVATION, f, float(k * f)),
+        item("moe.expert.up", MATMUL, f, k * 2.0 * h * f),
+        item("moe.expert.prod", PRODUCT, f, float(k * f)),
+        item("moe.expert.down", MATMUL, h, k * 2.0 * h * f, covers="moe.expert_out")])
+    expert = [item("moe.dispatched", INDEX, h, 0.0), *mlp,
               item("moe.routing_weights", INDEX, 1, 0.0),
               item("moe.combine_in", PRODUCT, h, float(k * h))]
     return router, expert, _loop_shared_ops(spec, dm, terms)
+
+
+def _loop_clamped_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
+                      ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
+    """GPT-OSS's clamped expert as the reference loop runs it (``MoESpec.clamped_swiglu``:
+    memplan/profile/reference.py ``ClampedExpert.forward``, GptOssExperts.forward's
+    per-expert branch and ``_apply_gate``), from its gate/up projection to its down
+    projection (``_loop_ops``' expert, ``_moe_ops``' tuples), the items named as the grouped
+    path's (``_clamped_ops``): the gate/up projection (``aten.mm``, 2f wide; ``addmm`` with
+    ``ModelSpec.mlp_bias``, its output the biased ``moe.expert.gate_up``, which the clamps'
+    saved views pin), ``gate.clamp(max=limit)`` (``aten.clamp``, f wide: ``moe.expert.
+    gate_clamped``), ``up.clamp(-limit, limit)`` (saved by no one), ``gate * alpha`` (a
+    number's product, ``scale``), ``torch.sigmoid`` (``moe.expert.sigmoid``), ``gate *
+    sigmoid`` (``moe.expert.glu``), ``up + 1`` (a number's sum, ``shift``: ``moe.expert.
+    up_plus_one``), ``(up + 1) * glu`` (``moe.expert.prod``, the down projection's input) and
+    the down projection (``addmm`` with a bias: ``moe.expert_out``, which the weighting
+    saves). The halves ``gate_up[..., ::2]``, ``[..., 1::2]`` are views. FLOPs per token:
+    each token's k rows, 2 a weight or bias of a projection, one an element of the rest
+    (traced: tests/traced/test_sac_policy.py)."""
+    moe = spec.moe
+    assert moe is not None
+    h, k = spec.hidden_size, moe.top_k
+    f = moe.expert_ffn_hidden_size // dm.experts().tp
+    bias = 1.0 if spec.mlp_bias else 0.0
+
+    def item(name: str, op: str, own: bool = False) -> tuple:
+        full = f"moe.expert.{name}"
+        return (full, op, f, (full,), terms[full], float(k * f), own)
+
+    return [("moe.expert.gate_up", MATMUL, 2 * f, ("moe.expert.gate_up",),
+             terms["moe.expert.gate_up"], k * (4.0 * h * f + 4.0 * f * bias), True),
+            item("gate_clamped", CLAMP), ("", CLAMP, f, (), 0, 0.0, False),
+            ("", SCALE, f, (), 0, 0.0, False), item("sigmoid", ACTIVATION, own=True),
+            item("glu", PRODUCT), item("up_plus_one", SHIFT), item("prod", PRODUCT),
+            ("moe.expert.down", MATMUL, h, ("moe.expert_out",), terms["moe.expert_out"],
+             k * (2.0 * h * f + 2.0 * h * bias), False)]
 
 
 def _loop_router_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]

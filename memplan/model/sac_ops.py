@@ -280,7 +280,8 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     _topk_softmax_ops``; GPT-OSS's, with its bias), and GPT-OSS's biased experts with their
     clamped SwiGLU (``memplan.model.sac_moe._clamped_ops``); and for memplan's reference
     loop (``MoeImpl.LOOP``: ``memplan.model.sac_moe._loop_ops``, fixed counts once every
-    expert receives a row) of gated experts behind the reference's softmax router (its
+    expert receives a row) of gated or GPT-OSS's clamped experts behind the reference's
+    router variants (``loop_refusal``: Mixtral's softmax router, its
     linear in fp32 where ``router_fp32`` says), with shared experts after the loop, behind
     a sigmoid gate or not. Experts as wide as the hidden size or a head only
     where every product of that width is counted (``_norm_products_counted``); in the loop
@@ -316,7 +317,9 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
 
 def loop_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why memplan's reference loop (``MoeImpl.LOOP``: memplan/profile/reference.py
-    ``MoE.forward``) is not named op by op for ``spec``, or None. Its router's ops are
+    ``MoE.forward``) is not named op by op for ``spec``, or None. Its experts are gated MLPs
+    or GPT-OSS's clamped ones (``clamped_swiglu``: ``memplan.model.sac_moe.
+    _loop_clamped_ops``). Its router's ops are
     modelled for a softmax in fp32 of one linear, the top-k renormalised and cast to the
     block's dtype (Mixtral's; ``router_weights_cast``'s cast is the one the reference makes
     anyway), its linear on fp32 copies where the spec says so (``router_fp32``), or a
@@ -353,7 +356,6 @@ def loop_refusal(spec: ModelSpec, wl: Workload) -> str | None:
                "receives none and skips its ops)"),
               (variants, "a router other than a softmax over one linear (Mixtral's, its "
                          "linear in fp32 or not) or of its top-k logits (GPT-OSS's, Granite's)"),
-              (moe.clamped_swiglu, "GPT-OSS's clamped SwiGLU"),
               # Granite 4.0-H's hybrid layers: transformers runs their experts grouped
               (spec.mamba is not None, "Mamba layers (the reference model runs no Mamba "
                "mixer; transformers' Granite 4.0-H runs its experts grouped: moe_impl "

@@ -207,6 +207,33 @@ class MLP(nn.Module):
         return self.down(self._act(self.up(x)))
 
 
+class ClampedExpert(nn.Module):
+    """GPT-OSS's expert (``MoESpec.clamped_swiglu``: transformers 5.3 models/gpt_oss/
+    modeling_gpt_oss.py GptOssExperts.forward's per-expert branch and ``_apply_gate``): one
+    gate/up projection h -> 2f, biased where ``ModelSpec.mlp_bias`` (``current_state @
+    self.gate_up_proj[expert_idx] + self.gate_up_proj_bias[expert_idx]``, here one linear,
+    as memplan's terms count it: ``moe.expert.gate_up``), the gate and up halves interleaved
+    (views), ``gate.clamp(max=limit)``, ``up.clamp(-limit, limit)``, ``gate *
+    sigmoid(gate * alpha)``, ``(up + 1) * glu`` and the down projection f -> h, biased alike.
+    ``alpha`` 1.702 and ``limit`` 7.0 as GptOssExperts.__init__ sets them."""
+
+    alpha, limit = 1.702, 7.0
+
+    def __init__(self, spec: ModelSpec, ffn: int, opts: RefOptions, device) -> None:
+        super().__init__()
+        h, bias = spec.hidden_size, spec.mlp_bias
+        self.gate_up = _linear(h, 2 * ffn, bias, opts, device)
+        self.down = _linear(ffn, h, bias, opts, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up(x)
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return self.down((up + 1) * glu)
+
+
 class Fp32Linear(nn.Linear):
     """A router's linear on fp32 copies of its input and weight (``MoESpec.router_fp32``:
     transformers 5.3 models/deepseek_v3/modeling_deepseek_v3.py DeepseekV3TopkRouter.forward,
@@ -221,7 +248,8 @@ class Fp32Linear(nn.Linear):
 class MoE(nn.Module):
     """Top-k router over a list of expert MLPs, as the spec's router fields say (``_route``:
     Mixtral's softmax in fp32 with renormalised weights unless a field names another), the
-    weights cast to the block's dtype; shared experts after the loop, behind a sigmoid gate
+    weights cast to the block's dtype; GPT-OSS's clamped experts where the spec says so
+    (``ClampedExpert``); shared experts after the loop, behind a sigmoid gate
     where the spec has one."""
 
     def __init__(self, spec: ModelSpec, opts: RefOptions, device) -> None:
@@ -232,8 +260,10 @@ class MoE(nn.Module):
         self.router = (Fp32Linear if moe.router_fp32 else nn.Linear)(
             spec.hidden_size, moe.num_experts, bias=moe.router_bias, dtype=opts.dtype,
             device=device)
+        expert = ClampedExpert if moe.clamped_swiglu else MLP
         self.experts = nn.ModuleList(
-            MLP(spec, moe.expert_ffn_hidden_size, opts, device) for _ in range(moe.num_experts))
+            expert(spec, moe.expert_ffn_hidden_size, opts, device)
+            for _ in range(moe.num_experts))
         self.shared = (MLP(spec, moe.num_shared_experts * moe.shared_expert_ffn_hidden_size,
                            opts, device) if moe.num_shared_experts else None)
         # Qwen2-MoE's shared_expert_gate (models/qwen2_moe/modeling_qwen2_moe.py

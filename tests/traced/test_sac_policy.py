@@ -1661,3 +1661,76 @@ def test_full_recompute_on_the_reference_moe_loop_with_held_logits(monkeypatch) 
         row = result.row(name)
         assert row.estimated_bytes == row.measured_bytes, row
     _assert_rows_within(result.rows)
+
+
+# the loop with GPT-OSS's clamped SwiGLU experts (MoESpec.clamped_swiglu, biased:
+# ModelSpec.mlp_bias; the reference's ClampedExpert, GptOssExperts.forward's per-expert branch
+# and _apply_gate) behind GPT-OSS's biased top-k softmax router, as the catalog's gpt-oss:
+# sac_moe._loop_clamped_ops, moe._loop_expert_inner, _loop_expert_kept. Before, refused
+# ("GPT-OSS's clamped SwiGLU"). Measured: saved activations and forwards exact, backward
+# -0.31% to -0.67%; under full recompute the forward's peak at the clamped expert's product
+# (7 r x f: before 3, fp32 196,608 B under, -13.3% of the first step's forward), exact
+LOOP_CLAMPED = _variant(LOOP_TOPK, name="tiny-moe-loop-clamped", mlp_bias=True,
+                        moe={**LOOP_TOPK.moe.model_dump(), "clamped_swiglu": True,
+                             "stacked_experts": True})
+LOOP_CLAMPED_GRID = [("bf16-pure", ""), ("bf16-pure", "mlp"),
+                     ("bf16-pure", "moe.expert.gate_up,moe.expert.glu"),
+                     ("bf16-pure", "moe.expert.sigmoid,moe.expert.up_plus_one,attn.q"),
+                     ("fp32", "moe.expert.gate_clamped,moe.expert.down"),
+                     ("fp32", "mlp")]
+
+
+@pytest.mark.parametrize(("precision", "save"), LOOP_CLAMPED_GRID,
+                         ids=[f"{p}-{s or 'input'}" for p, s in LOOP_CLAMPED_GRID])
+def test_emitted_policy_on_the_reference_moe_loop_with_clamped_experts(
+        precision: str, save: str, monkeypatch) -> None:
+    _balanced_routing(monkeypatch)
+    wl = make_workload(LOOP_CLAMPED, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="ops", recompute_save=save)
+    assert wl.moe_impl.value == "loop"
+    result = compare(LOOP_CLAMPED, make_layout(1), wl, fake=False)
+    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-pure"])
+def test_full_recompute_on_the_reference_moe_loop_with_clamped_experts(
+        precision: str, monkeypatch) -> None:
+    """The clamped expert in the loop's checkpointed forward (``MoE.working_set``) and at
+    the rerun's stop (``moe.loop_rerun``: the last expert's clamped terms not rebuilt yet).
+    Traced forward peaks exact, every row within TOLERANCE_PCT."""
+    _balanced_routing(monkeypatch)
+    wl = make_workload(LOOP_CLAMPED, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="full")
+    result = compare(LOOP_CLAMPED, make_layout(1), wl, fake=False)
+    for name in ("first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
+# the clamped experts as wide as the hidden size (f = h = 64, as GPT-OSS's 2880): their
+# products (glu, the product) share the width of the weighting's and of the upcast-fp32 norms'
+# fp32 products (norm_scale_fp32), which every layer counts (sac_ops._norm_products_counted),
+# so the indices hold; the scale, clamps and sum with 1 are the layer's only ops of theirs
+LOOP_CLAMPED_H = _variant(LOOP_CLAMPED, name="tiny-moe-loop-clamped-h", norm_scale_fp32=True,
+                          moe={**LOOP_CLAMPED.moe.model_dump(), "expert_ffn_hidden_size": 64})
+LOOP_CLAMPED_H_GRID = [("bf16-pure", "moe.expert.glu,moe.expert.prod,moe.combine_in"),
+                       ("bf16-pure", "moe.expert.gate_clamped,moe.expert.up_plus_one"),
+                       ("bf16-pure", "mlp"), ("fp32", "moe.expert.prod,moe.expert.sigmoid")]
+
+
+@pytest.mark.parametrize(("precision", "save"), LOOP_CLAMPED_H_GRID,
+                         ids=[f"{p}-{s}" for p, s in LOOP_CLAMPED_H_GRID])
+def test_emitted_policy_on_the_reference_moe_loop_with_clamped_experts_of_width_h(
+        precision: str, save: str, monkeypatch) -> None:
+    _balanced_routing(monkeypatch)
+    wl = make_workload(LOOP_CLAMPED_H, seq_len=128, micro_batch_size=2, precision=precision,
+                       recompute="ops", recompute_save=save, norm_impl="upcast-fp32")
+    result = compare(LOOP_CLAMPED_H, make_layout(1), wl, fake=False)
+    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)

@@ -797,3 +797,73 @@ def test_gpt_oss_20b_auto_runs() -> None:
     est = estimate("gpt-oss-20b", seq_len=4096, micro_batch_size=1, framework="hf",
                    attention="eager", recompute="auto", gpus=8, zero=3)
     assert est.workload.recompute_save
+
+
+# the reference loop with GPT-OSS's experts: biased, clamped (memplan/profile/reference.py
+# ClampedExpert), behind its biased top-k softmax router, as tests/traced/test_sac_policy.py's
+# toy
+LOOP_CLAMPED = TINY_MOE.model_copy(update={
+    "name": "tiny-moe-loop-clamped", "mlp_bias": True,
+    "moe": TINY_MOE.moe.model_copy(update={"clamped_swiglu": True, "router_topk_softmax": True,
+                                           "router_bias": True})})
+
+
+def test_loop_clamped_items_by_hand() -> None:
+    """The reference loop's clamped experts (``sac_moe._loop_clamped_ops``), bf16, T = 256,
+    R = T k = 512 over 4 experts (``repeat`` 4), h 64, f 96: the router's addmm T E e =
+    2,048 B (2 h E + 2 E = 520 FLOPs a token), the softmax of the top 2 R e = 1,024; each
+    expert's gathered rows R h e = 65,536, its biased gate/up addmm R 2f e = 196,608 (k (4 h
+    f + 2 x 2f) = 49,920 FLOPs), the clamped gate, sigmoid, glu, up + 1 and product R f e =
+    98,304 each (k f = 192), the biased down addmm's output R h e = 65,536 (k (2 f h + 2 h)
+    = 24,832), the weights' gather R e = 1,024 and the weighted rows 65,536. Indices: an
+    expert runs two 96-wide clamps (the gate's first) and two 96-wide products (glu first,
+    then the product: stride 2); its down projection the layer's 3rd 64-wide matmul (after q
+    and the output projection). The policy counts per layer 4 192-wide matmuls, 8 clamps, 4
+    products by alpha (``scale``), 4 sigmoids, 4 sums with 1 (``shift``) and 8 products, all
+    96 wide."""
+    moe = {i.name: (i.size_bytes, i.flops_per_token, i.op, i.width, i.nth, i.repeat, i.stride)
+           for i in _items(LOOP_CLAMPED, moe_impl="loop", precision="bf16-pure")
+           if i.block == "mlp"}
+    assert moe == {
+        "moe.router": (2_048, 520.0, "matmul", 4, 0, 1, 0),
+        "moe.topk_weights": (1_024, 2.0, "softmax", 2, 0, 1, 0),
+        "moe.dispatched": (65_536, 0.0, "index", 64, 0, 4, 1),
+        "moe.expert.gate_up": (196_608, 49_920.0, "matmul", 192, 0, 4, 1),
+        "moe.expert.gate_clamped": (98_304, 192.0, "clamp", 96, 0, 4, 2),
+        "moe.expert.sigmoid": (98_304, 192.0, "act", 96, 0, 4, 1),
+        "moe.expert.glu": (98_304, 192.0, "mul", 96, 0, 4, 2),
+        "moe.expert.up_plus_one": (98_304, 192.0, "shift", 96, 0, 4, 1),
+        "moe.expert.prod": (98_304, 192.0, "mul", 96, 1, 4, 2),
+        "moe.expert.down": (65_536, 24_832.0, "matmul", 64, 2, 4, 1),
+        "moe.routing_weights": (1_024, 0.0, "index", 1, 0, 4, 1),
+        "moe.combine_in": (65_536, 128.0, "mul", 64, 4, 4, 1)}
+    counts = _policy_ops(LOOP_CLAMPED, "loop")
+    assert [counts[k] for k in (("matmul", 192), ("clamp", 96), ("scale", 96), ("act", 96),
+                                ("shift", 96), ("mul", 96))] == [4, 8, 4, 4, 4, 8]
+
+
+def test_loop_clamped_forward_moments_by_hand() -> None:
+    """The clamped expert in the loop's checkpointed forward (``moe._loop_expert_inner``,
+    ``_loop_expert_kept``), bf16, r = 128 rows an expert: beside the loop's locals (the
+    stream-sized output T h e = 32,768, the top-k indices and weights T k (8 + e) = 5,120,
+    the expert's row and slot indices 2 r 8 = 2,048: 39,936 B) and the expert before's
+    weighted rows r h e = 16,384, with ``flat[rows]`` (16,384): at ``(up + 1) * glu`` the
+    gate/up output (2 r f e = 49,152), the clamped gate and up, glu, up + 1 and the product
+    (r f e = 24,576 each): 244,736, the sigmoid kept beyond it; at the down projection all
+    but up + 1 and its output r h e: 236,544, up + 1 kept beyond it too; at the weighting
+    the down projection's output, the weights' gather (r e = 256) and the weighted rows:
+    89,344, every MLP item kept beyond it. Under full recompute the working set is the
+    product's, 244,736."""
+    from memplan.model.moe import MoE, loop_kept_moments
+
+    wl = make_workload(LOOP_CLAMPED, **{**FIELDS, "moe_impl": "loop"}, precision="bf16-pure",
+                       recompute="full")
+    dm = Dims.of(LOOP_CLAMPED, make_layout(1), wl)
+    expert = {"moe.expert.gate_up", "moe.expert.gate_clamped", "moe.expert.sigmoid",
+              "moe.expert.glu", "moe.expert.up_plus_one", "moe.expert.prod"}
+    moments = [(value, adds - {"moe.router", "moe.router_input_fp32", "moe.router_weight_fp32"})
+               for value, adds in loop_kept_moments(LOOP_CLAMPED, dm)]
+    assert moments[:3] == [(244_736, {"moe.expert.sigmoid"}),
+                           (236_544, {"moe.expert.sigmoid", "moe.expert.up_plus_one"}),
+                           (89_344, expert | {"moe.dispatched"})]
+    assert MoE().working_set(LOOP_CLAMPED, wl, dm)[0].transient_bytes == 244_736
