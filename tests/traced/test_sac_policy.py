@@ -1372,6 +1372,25 @@ def _balanced_routing(monkeypatch) -> None:
     monkeypatch.setattr(reference.MoE, "__init__", patched)
 
 
+_OPS_EXACT = ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes")
+_FULL_EXACT = ("first_step.forward_bytes", "steady.forward_bytes")
+
+
+def _traced_loop(spec: ModelSpec, precision: str, monkeypatch, exact: tuple[str, ...],
+                 **workload) -> None:
+    """The reference loop (``moe_impl`` loop) of ``spec`` traced on real CPU tensors, the
+    routing held balanced (``_balanced_routing``), 2 x 128 tokens on one GPU, against memplan:
+    the rows named in ``exact`` to the byte, every row within TOLERANCE_PCT."""
+    _balanced_routing(monkeypatch)
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision=precision, **workload)
+    assert wl.moe_impl.value == "loop"
+    result = compare(spec, make_layout(1), wl, fake=False)
+    for name in exact:
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    _assert_rows_within(result.rows)
+
+
 @pytest.mark.parametrize(("precision", "save"), LOOP_GRID,
                          ids=[f"{p}-{s or 'input'}" for p, s in LOOP_GRID])
 def test_emitted_policy_on_the_reference_moe_loop(precision: str, save: str,
@@ -1392,14 +1411,7 @@ def test_full_recompute_on_the_reference_moe_loop(monkeypatch) -> None:
     weighted rows are alive beside the expert's own (fp32, where the block sets the
     forward's peak: 28,672 B under before, 2.25% of the first step's forward). Traced
     forward peaks exact, every row within TOLERANCE_PCT."""
-    _balanced_routing(monkeypatch)
-    wl = make_workload(LOOP_MOE, seq_len=128, micro_batch_size=2, precision="fp32",
-                       recompute="full")
-    result = compare(LOOP_MOE, make_layout(1), wl, fake=False)
-    for name in ("first_step.forward_bytes", "steady.forward_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    _assert_rows_within(result.rows)
+    _traced_loop(LOOP_MOE, "fp32", monkeypatch, _FULL_EXACT, recompute="full")
 
 
 # the loop with shared experts (memplan/profile/reference.py MoE: one MLP of the experts' kind,
@@ -1427,15 +1439,7 @@ LOOP_SHARED_GRID = [(LOOP_SHARED, "bf16-pure", ""), (LOOP_SHARED, "bf16-pure", "
                          ids=[f"{m.name}-{p}-{s or 'input'}" for m, p, s in LOOP_SHARED_GRID])
 def test_emitted_policy_on_the_reference_moe_loop_with_shared_experts(
         spec: ModelSpec, precision: str, save: str, monkeypatch) -> None:
-    _balanced_routing(monkeypatch)
-    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision=precision,
-                       recompute="ops", recompute_save=save)
-    assert wl.moe_impl.value == "loop"
-    result = compare(spec, make_layout(1), wl, fake=False)
-    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    _assert_rows_within(result.rows)
+    _traced_loop(spec, precision, monkeypatch, _OPS_EXACT, recompute="ops", recompute_save=save)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-pure"])
@@ -1447,14 +1451,7 @@ def test_full_recompute_on_the_reference_moe_loop_with_shared_experts(
     and its backward before the experts' (``moe.shared_after``: before, fp32 -4.13% of the
     first step's backward, bf16 -2.31%). Traced forward peaks exact, every row within
     TOLERANCE_PCT."""
-    _balanced_routing(monkeypatch)
-    wl = make_workload(LOOP_SHARED, seq_len=128, micro_batch_size=2, precision=precision,
-                       recompute="full")
-    result = compare(LOOP_SHARED, make_layout(1), wl, fake=False)
-    for name in ("first_step.forward_bytes", "steady.forward_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    _assert_rows_within(result.rows)
+    _traced_loop(LOOP_SHARED, precision, monkeypatch, _FULL_EXACT, recompute="full")
 
 
 # the loop's shared MLP behind Qwen2-MoE's sigmoid gate (MoESpec.shared_expert_gate; the
@@ -1475,15 +1472,8 @@ LOOP_GATED_GRID = [("bf16-pure", ""), ("bf16-pure", "mlp"),
                          ids=[f"{p}-{s or 'input'}" for p, s in LOOP_GATED_GRID])
 def test_emitted_policy_on_the_reference_moe_loop_with_a_shared_gate(
         precision: str, save: str, monkeypatch) -> None:
-    _balanced_routing(monkeypatch)
-    wl = make_workload(LOOP_GATED, seq_len=128, micro_batch_size=2, precision=precision,
-                       recompute="ops", recompute_save=save)
-    assert wl.moe_impl.value == "loop"
-    result = compare(LOOP_GATED, make_layout(1), wl, fake=False)
-    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    _assert_rows_within(result.rows)
+    _traced_loop(LOOP_GATED, precision, monkeypatch, _OPS_EXACT,
+                 recompute="ops", recompute_save=save)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-pure"])
@@ -1492,14 +1482,7 @@ def test_full_recompute_on_the_reference_moe_loop_with_a_shared_gate(
     """The gated shared MLP after the loop under full recompute: the gate's product
     (``moe._loop_shared_moments``) and its backward before the shared MLP's. Traced forward
     peaks exact, every row within TOLERANCE_PCT."""
-    _balanced_routing(monkeypatch)
-    wl = make_workload(LOOP_GATED, seq_len=128, micro_batch_size=2, precision=precision,
-                       recompute="full")
-    result = compare(LOOP_GATED, make_layout(1), wl, fake=False)
-    for name in ("first_step.forward_bytes", "steady.forward_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    _assert_rows_within(result.rows)
+    _traced_loop(LOOP_GATED, precision, monkeypatch, _FULL_EXACT, recompute="full")
 
 
 # a router that casts its top-k weights to the block's dtype (MoESpec.router_weights_cast:
@@ -1516,16 +1499,9 @@ LOOP_CAST_GRID = [(LOOP_MOE, "bf16-pure", "moe.router_probs,moe.expert.up"),
                          ids=[f"{m.name}-{p}-{s}" for m, p, s in LOOP_CAST_GRID])
 def test_emitted_policy_on_the_reference_moe_loop_with_cast_weights(
         spec: ModelSpec, precision: str, save: str, monkeypatch) -> None:
-    _balanced_routing(monkeypatch)
     spec = _variant(spec, name=f"{spec.name}-cast",
                     moe={**spec.moe.model_dump(), "router_weights_cast": True})
-    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision=precision,
-                       recompute="ops", recompute_save=save)
-    result = compare(spec, make_layout(1), wl, fake=False)
-    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    _assert_rows_within(result.rows)
+    _traced_loop(spec, precision, monkeypatch, _OPS_EXACT, recompute="ops", recompute_save=save)
 
 
 # the loop behind an fp32 router (MoESpec.router_fp32: the reference's Fp32Linear, F.linear
@@ -1547,14 +1523,7 @@ LOOP_FP32_GRID = [(LOOP_FP32, "bf16-pure", ""), (LOOP_FP32, "bf16-pure", "mlp"),
                          ids=[f"{m.name}-{p}-{s or 'input'}" for m, p, s in LOOP_FP32_GRID])
 def test_emitted_policy_on_the_reference_moe_loop_with_an_fp32_router(
         spec: ModelSpec, precision: str, save: str, monkeypatch) -> None:
-    _balanced_routing(monkeypatch)
-    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision=precision,
-                       recompute="ops", recompute_save=save)
-    result = compare(spec, make_layout(1), wl, fake=False)
-    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    _assert_rows_within(result.rows)
+    _traced_loop(spec, precision, monkeypatch, _OPS_EXACT, recompute="ops", recompute_save=save)
 
 
 # the loop behind a router that softmaxes its top-k logits (MoESpec.router_topk_softmax: the
@@ -1584,14 +1553,7 @@ LOOP_TOPK_GRID = [(LOOP_TOPK, "bf16-pure", ""), (LOOP_TOPK, "bf16-pure", "mlp"),
                          ids=[f"{m.name}-{p}-{s or 'input'}" for m, p, s in LOOP_TOPK_GRID])
 def test_emitted_policy_on_the_reference_moe_loop_with_a_topk_softmax(
         spec: ModelSpec, precision: str, save: str, monkeypatch) -> None:
-    _balanced_routing(monkeypatch)
-    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision=precision,
-                       recompute="ops", recompute_save=save)
-    result = compare(spec, make_layout(1), wl, fake=False)
-    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    _assert_rows_within(result.rows)
+    _traced_loop(spec, precision, monkeypatch, _OPS_EXACT, recompute="ops", recompute_save=save)
 
 
 @pytest.mark.parametrize("spec", [LOOP_TOPK, LOOP_GRANITE], ids=lambda s: s.name)
@@ -1601,14 +1563,7 @@ def test_full_recompute_on_the_reference_moe_loop_with_a_topk_softmax(
     probabilities, Granite's held fp32 logits instead (T E x 4 B, also beside the rerun's
     stop: ``moe.loop_rerun``). fp32, where the block's locals set the forward's peak to the
     byte. Traced forward peaks exact, every row within TOLERANCE_PCT."""
-    _balanced_routing(monkeypatch)
-    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision="fp32",
-                       recompute="full")
-    result = compare(spec, make_layout(1), wl, fake=False)
-    for name in ("first_step.forward_bytes", "steady.forward_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    _assert_rows_within(result.rows)
+    _traced_loop(spec, "fp32", monkeypatch, _FULL_EXACT, recompute="full")
 
 
 # the loop behind ERNIE 4.5's router variants but its fp32 weight (the reference builds the
@@ -1639,28 +1594,14 @@ LOOP_ERNIE_GRID = [(LOOP_ERNIE, "bf16-pure", ""),
                          ids=[f"{m.name}-{p}-{s or 'input'}" for m, p, s in LOOP_ERNIE_GRID])
 def test_emitted_policy_on_the_reference_moe_loop_with_held_logits(
         spec: ModelSpec, precision: str, save: str, monkeypatch) -> None:
-    _balanced_routing(monkeypatch)
-    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision=precision,
-                       recompute="ops", recompute_save=save)
-    result = compare(spec, make_layout(1), wl, fake=False)
-    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    _assert_rows_within(result.rows)
+    _traced_loop(spec, precision, monkeypatch, _OPS_EXACT, recompute="ops", recompute_save=save)
 
 
 def test_full_recompute_on_the_reference_moe_loop_with_held_logits(monkeypatch) -> None:
     """ERNIE's held fp32 logits beside the probabilities in the checkpointed forward and
     beside the rerun's stop (``moe._loop_router_bound``, ``moe.loop_rerun``), fp32. Traced
     forward peaks exact, every row within TOLERANCE_PCT."""
-    _balanced_routing(monkeypatch)
-    wl = make_workload(LOOP_ERNIE, seq_len=128, micro_batch_size=2, precision="fp32",
-                       recompute="full")
-    result = compare(LOOP_ERNIE, make_layout(1), wl, fake=False)
-    for name in ("first_step.forward_bytes", "steady.forward_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    _assert_rows_within(result.rows)
+    _traced_loop(LOOP_ERNIE, "fp32", monkeypatch, _FULL_EXACT, recompute="full")
 
 
 # the loop with GPT-OSS's clamped SwiGLU experts (MoESpec.clamped_swiglu, biased:
@@ -1684,15 +1625,8 @@ LOOP_CLAMPED_GRID = [("bf16-pure", ""), ("bf16-pure", "mlp"),
                          ids=[f"{p}-{s or 'input'}" for p, s in LOOP_CLAMPED_GRID])
 def test_emitted_policy_on_the_reference_moe_loop_with_clamped_experts(
         precision: str, save: str, monkeypatch) -> None:
-    _balanced_routing(monkeypatch)
-    wl = make_workload(LOOP_CLAMPED, seq_len=128, micro_batch_size=2, precision=precision,
-                       recompute="ops", recompute_save=save)
-    assert wl.moe_impl.value == "loop"
-    result = compare(LOOP_CLAMPED, make_layout(1), wl, fake=False)
-    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    _assert_rows_within(result.rows)
+    _traced_loop(LOOP_CLAMPED, precision, monkeypatch, _OPS_EXACT,
+                 recompute="ops", recompute_save=save)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-pure"])
@@ -1701,14 +1635,7 @@ def test_full_recompute_on_the_reference_moe_loop_with_clamped_experts(
     """The clamped expert in the loop's checkpointed forward (``MoE.working_set``) and at
     the rerun's stop (``moe.loop_rerun``: the last expert's clamped terms not rebuilt yet).
     Traced forward peaks exact, every row within TOLERANCE_PCT."""
-    _balanced_routing(monkeypatch)
-    wl = make_workload(LOOP_CLAMPED, seq_len=128, micro_batch_size=2, precision=precision,
-                       recompute="full")
-    result = compare(LOOP_CLAMPED, make_layout(1), wl, fake=False)
-    for name in ("first_step.forward_bytes", "steady.forward_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    _assert_rows_within(result.rows)
+    _traced_loop(LOOP_CLAMPED, precision, monkeypatch, _FULL_EXACT, recompute="full")
 
 
 # the clamped experts as wide as the hidden size (f = h = 64, as GPT-OSS's 2880): their
@@ -1726,11 +1653,5 @@ LOOP_CLAMPED_H_GRID = [("bf16-pure", "moe.expert.glu,moe.expert.prod,moe.combine
                          ids=[f"{p}-{s}" for p, s in LOOP_CLAMPED_H_GRID])
 def test_emitted_policy_on_the_reference_moe_loop_with_clamped_experts_of_width_h(
         precision: str, save: str, monkeypatch) -> None:
-    _balanced_routing(monkeypatch)
-    wl = make_workload(LOOP_CLAMPED_H, seq_len=128, micro_batch_size=2, precision=precision,
-                       recompute="ops", recompute_save=save, norm_impl="upcast-fp32")
-    result = compare(LOOP_CLAMPED_H, make_layout(1), wl, fake=False)
-    for name in ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    _assert_rows_within(result.rows)
+    _traced_loop(LOOP_CLAMPED_H, precision, monkeypatch, _OPS_EXACT,
+                 recompute="ops", recompute_save=save, norm_impl="upcast-fp32")
