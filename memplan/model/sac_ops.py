@@ -281,11 +281,11 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     clamped SwiGLU (``memplan.model.sac_moe._clamped_ops``); and for memplan's reference
     loop (``MoeImpl.LOOP``: ``memplan.model.sac_moe._loop_ops``, fixed counts once every
     expert receives a row) of gated or GPT-OSS's clamped experts behind the reference's
-    router variants (``loop_refusal``: Mixtral's softmax router, its
-    linear in fp32 where ``router_fp32`` says), with shared experts after the loop, behind
-    a sigmoid gate or not. Experts as wide as the hidden size or a head only
-    where every product of that width is counted (``_norm_products_counted``); in the loop
-    the shared experts together alike (``loop_refusal``)."""
+    router variants (``loop_refusal``: Mixtral's softmax router, its linear in fp32 where
+    ``router_fp32`` says), with shared experts after the loop, behind a sigmoid gate or not.
+    Experts as wide as the hidden size or a head only where every product of that width is
+    counted (``_norm_products_counted``); in the loop the shared experts together alike
+    (``loop_refusal``)."""
     moe = spec.moe
     assert moe is not None
     checks = (
@@ -310,7 +310,6 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (moe.expert_ffn_hidden_size in (spec.hidden_size, spec.head_dim)
          and not _norm_products_counted(spec, wl),
          "experts as wide as the hidden size or a head (their products share its width)"),
-
     )
     return next((f"MoE layers with {why}" for cond, why in checks if cond), None)
 
@@ -319,18 +318,17 @@ def loop_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why memplan's reference loop (``MoeImpl.LOOP``: memplan/profile/reference.py
     ``MoE.forward``) is not named op by op for ``spec``, or None. Its experts are gated MLPs
     or GPT-OSS's clamped ones (``clamped_swiglu``: ``memplan.model.sac_moe.
-    _loop_clamped_ops``). Its router's ops are
-    modelled for a softmax in fp32 of one linear, the top-k renormalised and cast to the
-    block's dtype (Mixtral's; ``router_weights_cast``'s cast is the one the reference makes
-    anyway), its linear on fp32 copies where the spec says so (``router_fp32``), or a
-    softmax of the top-k logits (``router_topk_softmax``, on fp32 logits with
-    ``router_logits_fp32``), ERNIE 4.5's clamped renormalisation and held logits
-    (``router_norm_clamped``, ``router_logits_held``) but not its fp32 weight
-    (``router_weight_fp32``); the other router variants the reference runs (``MoE._route``) are refused; its
-    shared experts are one MLP of the
-    experts' kind, the shared experts' widths together, run after the loop whatever the
-    spec's order (``memplan.model.sac_moe._loop_shared_ops``), behind Qwen2-MoE's sigmoid
-    gate where the spec has one. Its counts hold where every expert
+    _loop_clamped_ops``). Its router's ops are modelled for a softmax in fp32 of one linear,
+    the top-k renormalised and cast to the block's dtype (Mixtral's;
+    ``router_weights_cast``'s cast is the one the reference makes anyway), its linear on
+    fp32 copies where the spec says so (``router_fp32``), or a softmax of the top-k logits
+    (``router_topk_softmax``, on fp32 logits with ``router_logits_fp32``), ERNIE 4.5's
+    clamped renormalisation and held logits (``router_norm_clamped``,
+    ``router_logits_held``) but not its fp32 weight (``router_weight_fp32``); the other
+    router variants the reference runs (``MoE._route``) are refused; its shared experts are
+    one MLP of the experts' kind, the shared experts' widths together, run after the loop
+    whatever the spec's order (``memplan.model.sac_moe._loop_shared_ops``), behind
+    Qwen2-MoE's sigmoid gate where the spec has one. Its counts hold where every expert
     receives at least one routed row of each micro-batch (an expert with none skips its ops,
     ``if rows.numel() == 0: continue``, and the indices after it shift): refused where the
     micro-batch routes fewer rows than there are experts, so that one is certainly empty;
