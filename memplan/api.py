@@ -231,11 +231,17 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
         grad_buffers=grad_buffers, offload=offload, framework=framework,
         stage_layers=stage_layers, dp_shard=dp_shard, etp=etp, vpp_group=vpp_group,
         **workload)
-    if auto:
+    notes: tuple[str, ...] = ()
+    if auto and (why := _ops_refusal(spec, wl)) is not None:
+        wl, notes = _auto_level(spec, gpu_spec, par, wl, capacity, overheads, schedule,
+                                fit_reserved, why)
+    elif auto:
         wl = _auto_save(spec, gpu_spec, par, wl, capacity, overheads, schedule, fit_reserved)
     est = _estimate(spec, gpu_spec, par, wl, capacity_bytes=capacity,
                     overheads=overheads,
                     schedule=schedule)
+    if notes:
+        est = est._replace(notes=notes)
     if not calibration:
         return est
     from memplan.calibrate.apply import calibrate
@@ -288,6 +294,53 @@ def _auto_save(spec: ModelSpec, gpu: GpuSpec, par: Any, wl: Workload, capacity: 
         tried.add(again)
         save = again
     return wl.model_copy(update={"recompute_save": save})
+
+
+def _ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
+    from memplan.model.sac_ops import ops_refusal
+
+    return ops_refusal(spec, wl)
+
+
+# (``memplan.planning.planner.OPS_NOT_MODELLED``'s counterpart for one layout)
+AUTO_LEVEL_NOTE = ("recompute auto: op-level save sets are not modelled here ({why}); chose "
+                   "the whole recompute level of least recompute that fits instead, in plan's "
+                   "order (none, selective, full on k of each stage's layers, full): {chosen}")
+
+
+def _auto_level(spec: ModelSpec, gpu: GpuSpec, par: Any, wl: Workload, capacity: int | None,
+                overheads: Overheads | None, schedule: Schedule, fit_reserved: str | None,
+                why: str) -> tuple[Workload, tuple[str, ...]]:
+    """``recompute="auto"`` where the layer's ops are not modelled
+    (``memplan.model.sac_ops.ops_refusal``): the whole level of least recompute that fits
+    (and, with ``fit_reserved``, fits once the allocator is replayed: ``_reserved_excess``),
+    taken in the order ``plan`` searches in op-level checkpointing's place
+    (``memplan.planning.planner._policy_tuple``: none, selective, full on an eighth ... seven
+    eighths of the fewest layers a stage holds, full), with a note saying so; full recompute
+    of every layer where none fits (the estimate then says it does not fit). A level this
+    layer or layout refuses is passed over."""
+    from memplan.planning.planner import RECOMPUTE_ORDER, _fewest_layers, _policy_tuple
+
+    fewest = _fewest_layers(spec.num_layers, par.pp, par.vpp, par.stage_layers)
+    chosen = wl.model_copy(update={"recompute": Recompute.FULL, "recompute_layers": None,
+                                   "recompute_save": ()})
+    found = False
+    for policy, layers in _policy_tuple(RECOMPUTE_ORDER, fewest):
+        level = wl.model_copy(update={"recompute": policy, "recompute_layers": layers,
+                                      "recompute_save": ()})
+        try:
+            est = _estimate(spec, gpu, par, level, capacity_bytes=capacity,
+                            overheads=overheads, schedule=schedule)
+        except MemplanError:
+            continue
+        if est.fits and (fit_reserved is None
+                         or _reserved_excess(est, fit_reserved) is None):
+            chosen, found = level, True
+            break
+    name = chosen.recompute.value + ("" if chosen.recompute_layers is None else
+                                     f" on {chosen.recompute_layers} layers of each stage")
+    name += "" if found else " (none fits: full recompute of every layer)"
+    return chosen, (AUTO_LEVEL_NOTE.format(why=why, chosen=name),)
 
 
 def _save_within(sets: tuple, forward: tuple, run: Any, budget: int) -> tuple[str, ...]:

@@ -82,6 +82,9 @@ class Estimate(NamedTuple):
     overheads: Overheads
     schedule: Schedule = Schedule.ONE_F_ONE_B
     calibration: Any = None  # memplan.calibrate.apply.Calibration when a profile was applied
+    # what the caller chose for the user and why (``memplan.api``'s recompute auto where
+    # op-level save sets are not modelled), printed after the assumptions
+    notes: tuple[str, ...] = ()
 
     @property
     def assumptions(self) -> tuple[str, ...]:
@@ -94,7 +97,8 @@ class Estimate(NamedTuple):
                 + ("" if wl.framework is not Framework.GENERIC else
                    " (plain PyTorch as memplan's reference model runs it)"),
                 *presets.assumptions(wl.framework, self.spec, fields.get), *base)
-        return base if self.calibration is None else self.calibration.amend(base)
+        base = base if self.calibration is None else self.calibration.amend(base)
+        return (*base, *self.notes)
 
     @property
     def caveats(self) -> tuple[str, ...]:

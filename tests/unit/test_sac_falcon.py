@@ -244,8 +244,31 @@ def test_plan_auto_searches_the_levels_where_ops_are_not_modelled() -> None:
     assert len(auto.notes) == 1
     assert "mamba_kernel torch-einsum" in auto.notes[0]
     assert "searched the whole recompute levels" in auto.notes[0]
-    with pytest.raises(LayoutError, match="torch-einsum"):  # one layout: still refused
-        estimate(FALCON, gpus=8, recompute="auto")
+
+
+def test_estimate_auto_takes_the_levels_where_ops_are_not_modelled() -> None:
+    """``estimate --recompute auto`` on the einsum scan does what ``plan`` does there: of the
+    whole levels in plan's order (none, selective, full on an eighth ... seven eighths of the
+    36 layers: 4, 9, 13, 18, 22, 27, 31, full) the first that fits, here (24 GiB, micro-batch
+    1) full on 18 layers, each level estimated on its own below; with a note naming the
+    kernel and the level. Where only full recompute fits (micro-batch 4) it is full on every
+    layer; where nothing fits (16 GiB, micro-batch 8), full, and the note says none fits."""
+    kw = dict(gpus=8, gpu_memory="24GiB", micro_batch_size=1)
+    levels = [("none", None), ("selective", None),
+              *(("full", 36 * q // 8) for q in range(1, 8)), ("full", None)]
+    fits = [estimate(FALCON, **kw, recompute=r, recompute_layers=k).fits for r, k in levels]
+    assert fits.index(True) == 5 and levels[5] == ("full", 18)
+    auto = estimate(FALCON, **kw, recompute="auto")
+    by_hand = estimate(FALCON, **kw, recompute="full", recompute_layers=18)
+    assert (auto.workload.recompute.value, auto.workload.recompute_layers) == ("full", 18)
+    assert auto.peak_bytes == by_hand.peak_bytes and auto.fits
+    note = auto.assumptions[-1]
+    assert "torch-einsum" in note and note.endswith(": full on 18 layers of each stage")
+    four = estimate(FALCON, **{**kw, "micro_batch_size": 4}, recompute="auto")
+    assert (four.workload.recompute.value, four.workload.recompute_layers) == ("full", None)
+    none = estimate(FALCON, gpus=8, gpu_memory="16GiB", micro_batch_size=8, recompute="auto")
+    assert not none.fits and none.assumptions[-1].endswith("(none fits: full recompute of "
+                                                           "every layer)")
 
 
 def test_mamba_group() -> None:
