@@ -780,7 +780,7 @@ def _norm_ops(norm: str, terms: dict[str, int], width: int, per_token: int, name
 
     return [item("input_fp32", COPY, width), item("stats", RSQRT, 1),
             _unkept(PRODUCT, width, block), item("normed", COPY, width),
-            item("output", COPY, width)]
+            item("output", PRODUCT, width)]
 
 
 def _upcast_fp32_ops(norm: str, mine: dict[str, int], width: int, per_token: int,
