@@ -278,6 +278,31 @@ def test_upcast_fp32_norms_are_named_by_their_casts() -> None:
     assert kept == 2 * 2 * (65_536 + 1_024 + 256 + 32_768) == 398_336
 
 
+def test_norm_scale_fp32_norms_are_named_by_rsqrt_and_products() -> None:
+    """tiny with its RMSNorm scaling in fp32 (``norm_scale_fp32``: Gemma2RMSNorm's,
+    Olmo2RMSNorm's pow, rsqrt, x * rstd and weight product in fp32) under upcast-fp32: each
+    norm's rsqrt and x * rstd named (the attention norm's the 0th of width 1, 256 * 4 = 1,024
+    B, and the 0th 64-wide mul, 256 * 64 * 4 = 65,536 B; the MLP norm's x * rstd the 2nd
+    mul, after the attention norm's weight product), two 64-wide products a norm counted,
+    no cast (Gemma 2 casts its weight, OLMo 2 does not: the casts' indices differ), so its
+    casts' tensors are refused when kept."""
+    from memplan.report.sac_policy import emit_for
+
+    spec = load_model("tiny").model_copy(update={"norm_scale_fp32": True})
+    fields = dict(**TINY, norm_impl="upcast-fp32", recompute="ops")
+    est = estimate(spec, **fields, recompute_save="attn_norm.stats,attn_norm.normed,"
+                                                  "mlp_norm.normed")
+    space: dict = {}
+    exec(compile(emit_for("torch", est), "<policy>", "exec"), space)  # noqa: S102
+    assert space["SAVE"] == {("rsqrt", 1, 0), ("mul", 64, 0), ("mul", 64, 2)}
+    assert space["PER_LAYER"][("mul", 64)] == 4 and ("copy", 64) not in space["PER_LAYER"]
+    none = estimate(spec, **fields, recompute_save="")
+    assert est.stages[0].activations_bytes - none.stages[0].activations_bytes == \
+        2 * (1_024 + 2 * 65_536)
+    with pytest.raises(LayoutError, match=r"no policy names kept \(attn_norm\.output\)"):
+        estimate(spec, **fields, recompute_save="attn_norm.output")
+
+
 def test_torchtitan_and_megatron_say_what_they_keep() -> None:
     """torchtitan with q and the gate kept: the other projections' shapes forced (k and v
     share a shape, as do gate and up, so forcing up forces the gate too); its every-second
