@@ -12,8 +12,10 @@ so the MLP's down projection never reruns. The save list is a set of *items*: an
 output a layer can keep, named after the saved term it makes (``attn.q`` is the q
 projection's output; ``attn.out`` the attention kernel's, with its logsumexp ``attn.lse``;
 ``attn.o_proj`` the output projection's, which no backward reads but whose rerun it skips;
-a norm's saved tensors, which a policy names by op only for an upcast RMSNorm: ``_norm_ops``;
-the q/k norms' (Qwen3's, per head) among the attention's).
+a norm's saved tensors, which a policy names by op only for an upcast or upcast-fp32
+RMSNorm below fp32: ``_norm_ops``, ``_upcast_fp32_ops``; the q/k norms' (Qwen3's, per head)
+among the attention's). A norm tensor no policy names is refused when kept
+(``kept_refusal``): the emitted policy would recompute it.
 
 So a layer under OPS holds its checkpointed input and the kept outputs (``kept_terms``); its
 backward is the fully recomputed layer's (the rerun rebuilds what a layer without recompute
