@@ -303,6 +303,21 @@ def test_norm_scale_fp32_norms_are_named_by_rsqrt_and_products() -> None:
         estimate(spec, **fields, recompute_save="attn_norm.output")
 
 
+@pytest.mark.parametrize("fields", [{"norm_impl": "upcast-fp32"}, {"norm_impl": "fused"},
+                                    {"precision": "fp32"}])
+def test_auto_searches_only_norm_tensors_a_policy_names(fields: dict) -> None:
+    """``--recompute auto`` never chooses a norm tensor it would have to refuse: the frontier's
+    sets hold no ``NORM`` item; under upcast-fp32 the casts and rsqrt are searched."""
+    spec = load_model("tiny")
+    wl = make_workload(spec, **TINY, **fields, recompute="ops")
+    items = ops_items(spec, wl, Dims.of(spec, make_layout(1), wl))
+    unnamed = {i.name for i in items if i.op == sac_ops.NORM}
+    assert unnamed and not unnamed & {n for c in frontier(items) for n in c.kept}
+    if fields.get("norm_impl") == "upcast-fp32":
+        assert unnamed == {"attn_norm.normed", "mlp_norm.normed"}
+        assert {"attn_norm.stats", "mlp_norm.output"} <= {i.name for i in searchable(items)}
+
+
 def test_torchtitan_and_megatron_say_what_they_keep() -> None:
     """torchtitan with q and the gate kept: the other projections' shapes forced (k and v
     share a shape, as do gate and up, so forcing up forces the gate too); its every-second
