@@ -794,7 +794,7 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
         items, kept = ops_kept(spec, base, dm, moe, "nope", kind, wl.recompute_save)
     else:
         kept = sac_ops.resolve(items, wl.recompute_save, spec, kind)
-    sac_ops.check_kept(kept, dm)
+    sac_ops.check_kept(kept, dm, items)
     terms = sac_ops.kept_terms(kept)
     peak = ops_forward_peak(_ops_forward(spec, base, dm, moe, variant), items, kept)
     return full._replace(terms=full.terms + terms, saved_bytes=full.saved_bytes + total(terms),

@@ -12,8 +12,10 @@ so the MLP's down projection never reruns. The save list is a set of *items*: an
 output a layer can keep, named after the saved term it makes (``attn.q`` is the q
 projection's output; ``attn.out`` the attention kernel's, with its logsumexp ``attn.lse``;
 ``attn.o_proj`` the output projection's, which no backward reads but whose rerun it skips;
-a norm's saved tensors, which a policy names by op only for an upcast RMSNorm: ``_norm_ops``;
-the q/k norms' (Qwen3's, per head) among the attention's).
+a norm's saved tensors, which a policy names by op only for an upcast or upcast-fp32
+RMSNorm below fp32: ``_norm_ops``, ``_upcast_fp32_ops``; the q/k norms' (Qwen3's, per head)
+among the attention's). A norm tensor no policy names is refused when kept
+(``kept_refusal``): the emitted policy would recompute it.
 
 So a layer under OPS holds its checkpointed input and the kept outputs (``kept_terms``); its
 backward is the fully recomputed layer's (the rerun rebuilds what a layer without recompute
@@ -113,6 +115,11 @@ GROUPS = {"attention": ("attn",), "mlp": ("mlp",),
 MATMUL, ATTENTION_KERNEL, ACTIVATION, PRODUCT, NORM = "matmul", "sdpa", "act", "mul", "norm"
 # an upcast RMSNorm's ops a policy can name: its dtype casts (``aten._to_copy``) and ``rsqrt``
 COPY, RSQRT = "copy", "rsqrt"
+# which of the norms' ops a policy names (``_norms_nameable``, ``_norm_ops``): an upcast
+# RMSNorm's casts, rsqrt and output product; an upcast-fp32 one's casts and rsqrt (the
+# reference model's and litgpt's), or its rsqrt and products (a model's own under
+# ``norm_scale_fp32``: Gemma 2's, OLMo 2's, GPT-OSS's)
+UPCAST_OPS, CAST_OPS, SCALE_OPS = "upcast", "casts", "products"
 # an MoE layer's router softmax, its rows' gathers (``aten.index``) and its experts'
 # grouped matmuls (``aten._grouped_mm``)
 SOFTMAX, INDEX, GROUPED_MM = "softmax", "index", "grouped_mm"
@@ -249,26 +256,46 @@ def _post_norms_modelled(spec: ModelSpec, wl: Workload) -> bool:
 
 
 def kept_refusal(kept: tuple[Item, ...], dm: Dims) -> str | None:
-    """Why keeping ``kept`` is not modelled, or None: under autocast a norm's saved tensors
-    (``NORM`` items) are not op outputs a policy names. The layer's norms run in fp32 on the
-    fp32 residual stream, their input casts no ops (``input_fp32`` is the stream itself), and
-    what the layer saves of their output is each next linear's own low-precision cast of it
-    (``aten._to_copy``, one per linear, beside the casts of the weights); a q/k norm reads the
-    projection's bf16 output, its casts real ops of SDPA's casts' family and width
-    (traced: tests/traced/test_sac_policy.py)."""
+    """Why keeping ``kept`` is not modelled, or None: a norm's saved tensors that no op a
+    policy counts makes (``NORM`` items) cannot be kept, for the emitted policy would
+    recompute them (``memplan.report.sac_policy``: "Not expressible, recomputed instead")
+    while the estimate counted them kept. So a fused kernel's, a LayerNorm's, an RMSNorm's
+    in fp32 (its casts no ops), under sequence parallelism (the next linear saves the
+    gathered output, no op of the norm's), and of an upcast-fp32 norm those whose op's index
+    differs by implementation (``_upcast_fp32_ops``: the reference model's and litgpt's
+    fp32 product ``normed``; Gemma 2's, OLMo 2's and GPT-OSS's casts). ``plan --recompute
+    auto`` never chooses them (``memplan.planning.save_sets.searchable``). Under autocast
+    the layer's norms run in fp32 on the fp32 residual stream, their input casts no ops
+    (``input_fp32`` is the stream itself), and what the layer saves of their output is each
+    next linear's own low-precision cast of it (``aten._to_copy``, one per linear, beside
+    the casts of the weights); a q/k norm reads the projection's bf16 output, its casts
+    real ops of SDPA's casts' family and width (traced: tests/traced/test_sac_policy.py)."""
     names = [i.name for i in kept if i.op == NORM]
-    if dm.autocast and names:
+    if not names:
+        return None
+    if dm.autocast:
         return f"a norm's tensors kept under autocast ({', '.join(names)})"
-    return None
+    return f"a norm's tensors no policy names kept ({', '.join(names)})"
 
 
-def check_kept(kept: tuple[Item, ...], dm: Dims) -> None:
+def check_kept(kept: tuple[Item, ...], dm: Dims, items: tuple[Item, ...] = ()) -> None:
     why = kept_refusal(kept, dm)
-    if why is not None:
+    if why is None:
+        return
+    # (what of the norms a policy does name, ``items`` being the layer's)
+    named = [i.name for i in items if i.block in GROUPS["norms"] and i.op != NORM]
+    instead = (f"the norms' tensors a policy names ({', '.join(named)})" if named
+               else "the projections, attn.out and the MLP's ops")
+    if dm.autocast:
         raise LayoutError("recompute ops does not model this save list",
                           f"recompute ops with {why}: not modelled (under autocast a norm's "
                           "saved tensors are no op outputs a policy names); name the "
                           "projections, attn.out and the MLP's ops instead")
+    raise LayoutError("recompute ops does not model this save list",
+                      f"recompute ops with {why}: their ops differ by implementation (a fused "
+                      "kernel, LayerNorm, fp32's no-op casts, sequence parallelism's gathered "
+                      "output, an upcast-fp32 norm's products or casts), so an emitted policy "
+                      f"would recompute them; name {instead} instead")
 
 
 def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
@@ -465,7 +492,7 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
 
 
 def _attention_ops(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int],
-                   named: bool, fp32: bool, matmuls: list[Item], nope: bool = False
+                   named: str, fp32: bool, matmuls: list[Item], nope: bool = False
                    ) -> list[Item]:
     """A generic attention block's ops in execution order (``layer_ops``): the q, k, v (or
     fused q/k/v) projections, each q/k norm after its projection, RoPE's four products (none
@@ -500,7 +527,7 @@ def _rope_ops(spec: ModelSpec) -> list[Item]:
     return [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
 
 
-def _mla_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], named: bool,
+def _mla_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], named: str,
             fp32: bool) -> list:
     """The attention's ops of an MLA layer (the module docstring; ``sac_ops.layer_ops``
     numbers them; ``memplan.model.sac_mla``'s docstring): ``terms``, the layer's saved terms without recompute; ``named``: the
@@ -549,7 +576,7 @@ def _mla_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], named: bool,
     return out
 
 
-def _down_ops(spec: ModelSpec, terms: dict[str, int], down: Item, named: bool,
+def _down_ops(spec: ModelSpec, terms: dict[str, int], down: Item, named: str,
               fp32: bool) -> list[Item]:
     """A dense MLP's down projection and what follows it among the layer's ops. With a post
     norm, which reads its output and saves its fp32 copy (in fp32 the tensor itself), the
@@ -589,7 +616,7 @@ _COVERS = {"attn.qkv": ("attn.q", "attn.k", "attn.v"), "mlp.gate_up": ("mlp.gate
 TO_MLP_END = "mlp.gate_up"
 
 
-def _qk_norm_ops(spec: ModelSpec, name: str, local: int, terms: dict[str, int], named: bool,
+def _qk_norm_ops(spec: ModelSpec, name: str, local: int, terms: dict[str, int], named: str,
                  fp32: bool) -> list[Item]:
     """The q (or k) norm's ops after its projection ``name`` of ``local`` outputs on this
     rank: per head (Qwen3Attention.forward: ``q_norm(q_proj(x).view(..., head_dim))``, then
@@ -598,7 +625,7 @@ def _qk_norm_ops(spec: ModelSpec, name: str, local: int, terms: dict[str, int], 
     if spec.qk_norm is QkNorm.HEAD:  # rows of head_dim: the rank's heads'
         return _norm_ops(norm, terms, spec.head_dim, local, named, "attn", fp32)
     if spec.qk_norm is QkNorm.FULL:
-        return _norm_ops(norm, terms, local, local, False, "attn", fp32)
+        return _norm_ops(norm, terms, local, local, "", "attn", fp32)
     return []
 
 
@@ -720,23 +747,27 @@ def _has_bias(spec: ModelSpec, name: str) -> bool:
     return spec.attn_out_bias if name == "attn.o_proj" else spec.qkv_bias
 
 
-def _norm_ops(norm: str, terms: dict[str, int], width: int, per_token: int, named: bool,
+def _norm_ops(norm: str, terms: dict[str, int], width: int, per_token: int, named: str,
               block: str = "", fp32_ops: bool = False) -> list[Item]:
     """A norm's saved terms, each an item of its own: elementwise, one FLOP per element
-    (``per_token`` elements per token: a q/k norm's rows are the rank's heads). Unless ``named``
-    (``_norms_nameable``) its ops differ by implementation and no policy names them
-    (``NORM``). Named, they are an upcast RMSNorm's ops in execution order (Hugging Face's
-    ``LlamaRMSNorm.forward`` and ``Qwen3RMSNorm.forward``, the reference model's
-    ``RMSNorm``): ``x.to(float32)`` (``input_fp32``), ``rsqrt`` of the mean square
-    (``stats``, of width 1), ``x * rstd`` (fp32, saved by no one), ``.to(dtype)``
-    (``normed``), ``weight * normed`` (``output``: a q/k norm's goes to RoPE, which saves
-    nothing of it). ``block``: the block that runs it (the norm's own by default; a q/k
-    norm's, the attention). ``fp32_ops``: unnamed, an upcast RMSNorm in fp32 (fp32 weights,
-    or under autocast on the fp32 stream), whose casts are no ops but whose rsqrt and two
-    products a policy counts all the same."""
+    (``per_token`` elements per token: a q/k norm's rows are the rank's heads). ``named``
+    (``_norms_nameable``): which of its ops a policy names, in execution order; a term no
+    named op makes is a ``NORM`` item (its op differs by implementation; kept, refused:
+    ``kept_refusal``). ``UPCAST_OPS``: Hugging Face's ``LlamaRMSNorm.forward`` and
+    ``Qwen3RMSNorm.forward``, the reference model's ``Norm`` under upcast:
+    ``x.to(float32)`` (``input_fp32``), ``rsqrt`` of the mean square (``stats``, of width
+    1), ``x * rstd`` (fp32, saved by no one), ``.to(dtype)`` (``normed``), ``weight *
+    normed`` (``output``: a q/k norm's goes to RoPE, which saves nothing of it).
+    ``CAST_OPS`` and ``SCALE_OPS``: an upcast-fp32 RMSNorm (``_upcast_fp32_ops``).
+    ``block``: the block that runs it (the norm's own by default; a q/k norm's, the
+    attention). ``fp32_ops``: unnamed, an upcast RMSNorm in fp32 (fp32 weights, or under
+    autocast on the fp32 stream), whose casts are no ops but whose rsqrt and two products a
+    policy counts all the same."""
     block = block or norm
     mine = {name: size for name, size in terms.items() if name.startswith(norm + ".")}
     own = block != norm  # a q/k norm's tensors add to the attention's working set
+    if named in (CAST_OPS, SCALE_OPS):
+        return _upcast_fp32_ops(norm, mine, width, per_token, named, block)
     if not named:
         counted = ([_unkept(RSQRT, 1, block)] + [_unkept(PRODUCT, width, block)] * 2
                    if fp32_ops else [])
@@ -754,35 +785,92 @@ def _norm_ops(norm: str, terms: dict[str, int], width: int, per_token: int, name
             item("output", PRODUCT, width)]
 
 
+def _upcast_fp32_ops(norm: str, mine: dict[str, int], width: int, per_token: int,
+                     named: str, block: str) -> list[Item]:
+    """An upcast-fp32 RMSNorm's ops (``NormImpl.UPCAST_FP32``, a layer norm of ``width`` h)
+    in execution order, each saved term ``mine`` an item where the op that makes it is one a
+    policy counts the same in every implementation of the kind ``named`` says (a term of
+    another op is a ``NORM`` item). Traced (aten ops under TorchDispatchMode, bf16):
+
+    - the reference model's ``Norm.forward`` (memplan/profile/reference.py): ``x.float()``
+      (``_to_copy``: ``input_fp32``), ``pow``, ``mean``, ``+ eps``, ``rsqrt`` (``stats``),
+      ``xf * rstd`` (``mul``: ``normed``, fp32), ``self.weight.float()`` (``_to_copy`` of
+      the weight, h wide: ``weight_fp32``), the product (``mul``), ``.to(x.dtype)``
+      (``_to_copy``: ``output``); litgpt's RMSNorm.forward (litgpt/model.py) runs the same
+      casts, rsqrt and products but squares by ``x * x``, a third fp32 product of width h
+      before rsqrt. So without ``norm_scale_fp32`` (``CAST_OPS``) the casts and rsqrt are
+      named and counted, the products neither (``normed`` is a ``NORM`` item: its index
+      among them differs).
+    - a model's own norm under ``norm_scale_fp32`` (``SCALE_OPS``; transformers 5.3):
+      Gemma2RMSNorm.forward casts the weight (``self.weight.float()``, ``_to_copy``) and adds
+      1 (the tensor its product saves), Olmo2RMSNorm.forward and GptOssRMSNorm.forward
+      multiply by the 16-bit weight (no cast): the casts' indices differ by model, so the
+      casts are neither named nor counted (``input_fp32``, ``weight_fp32`` and ``output``
+      are ``NORM`` items); ``pow``, ``rsqrt`` (``stats``) and the two fp32 products (the
+      first ``normed``) are every one's, named and counted."""
+    rows = mine[f"{norm}.stats"] // FP32_BYTES  # (on every token: ``_norms_nameable``)
+
+    def item(name: str, op: str, w: int, named_here: bool) -> Item:
+        full = f"{norm}.{name}"
+        flops = float(per_token) if name != "weight_fp32" else float(width) / rows
+        if full not in mine:
+            return _unkept(op, w, block) if named_here else _unkept(NORM, w, block)
+        return Item(full, (full,), mine[full], flops, op if named_here else NORM, w, 0, block,
+                    False)
+
+    casts, products = named == CAST_OPS, named == SCALE_OPS
+    ops = [item("input_fp32", COPY, width, casts), item("stats", RSQRT, 1, True),
+           item("normed", PRODUCT, width, products), item("weight_fp32", COPY, width, casts),
+           item("", PRODUCT, width, products), item("output", COPY, width, casts)]
+    # (an op neither named nor counted, no term: dropped)
+    return [i for i in ops if i.name or i.op != NORM]
+
+
 def _norms_nameable(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int],
-                    qk_norms: bool = True) -> bool:
-    """Whether a policy can name the norms' ops (``_norm_ops``): an upcast RMSNorm in a
-    16-bit dtype (in fp32 the casts are no ops), each saved term the bytes of the op output
-    it names (not so under sequence parallelism, where the next linear saves the gathered
-    output), the q/k norms' too. Ops of another block sharing a norm op's family and width
-    (RoPE's products where head_dim is h, the gated product where f is) are counted with
-    them (``layer_ops``)."""
-    if spec.norm is not NormKind.RMSNORM or wl.norm_impl is not NormImpl.UPCAST \
+                    qk_norms: bool = True) -> str:
+    """Which ops of the norms a policy names (``_norm_ops``), "" where none: an upcast
+    RMSNorm in a 16-bit dtype (in fp32 the casts are no ops), each saved term the bytes of
+    the op output it names (not so under sequence parallelism, where the next linear saves
+    the gathered output), the q/k norms' too: ``UPCAST_OPS``; under upcast-fp32
+    (``_upcast_fp32_ops``, without biases; the layer's own norms and full-width q/k norms
+    alone, no MLA, Mamba or short-convolution layers) ``CAST_OPS`` or, with
+    ``norm_scale_fp32``, ``SCALE_OPS``. Ops of another block sharing a norm op's family and
+    width (RoPE's products where head_dim is h, the gated product where f is) are counted
+    with them (``layer_ops``)."""
+    if spec.norm is not NormKind.RMSNORM or not wl.norm_impl.upcast \
             or dm.e >= FP32_BYTES or dm.stream_e != dm.e:
-        return False
+        return ""
     h, rows = spec.hidden_size, dm.rows
+    named = UPCAST_OPS
     want = {"input_fp32": rows * h * FP32_BYTES, "stats": rows * FP32_BYTES,
             "normed": rows * h * dm.e, "output": rows * h * dm.e}
-    if any(terms.get(f"{n}.{t}") != b for n in ("attn_norm", "mlp_norm")
-           for t, b in want.items()):
-        return False
+    if wl.norm_impl is NormImpl.UPCAST_FP32:
+        if (spec.norm_bias or spec.mla is not None or spec.mamba is not None
+                or spec.short_conv is not None or spec.qk_norm not in (QkNorm.NONE, QkNorm.FULL)):
+            return ""
+        named = SCALE_OPS if spec.norm_scale_fp32 else CAST_OPS
+        want.update(normed=rows * h * FP32_BYTES, weight_fp32=h * FP32_BYTES)
+    # (a post norm's output is saved by no one: no term)
+    place = spec.norm_placement
+    norms = (("attn_norm", "mlp_norm") if place.pre_norm else ()) + (
+        ("attn_post_norm", "mlp_post_norm") if place.post_norm else ())
+    if any(terms.get(f"{n}.{t}") != b for n in norms for t, b in want.items()
+           if t != "output" or not n.endswith("_post_norm")):
+        return ""
+    if named != UPCAST_OPS:
+        return named
     if spec.mla is not None and not _latent_norms_nameable(spec, dm, terms):
-        return False
+        return ""
     if spec.qk_norm is not QkNorm.HEAD or not qk_norms:  # (a layer without attention)
-        return True
+        return named
     # the q and k norms (Qwen3RMSNorm on rows of head_dim, one per head on this rank)
     for norm, width in (("attn.q_norm", spec.q_size), ("attn.k_norm", spec.kv_size)):
         heads = dm.tokens * width // dm.tp // spec.head_dim
         want = {"input_fp32": heads * spec.head_dim * FP32_BYTES, "stats": heads * FP32_BYTES,
                 "normed": heads * spec.head_dim * dm.e}
         if any(terms.get(f"{norm}.{t}") != b for t, b in want.items()):
-            return False
-    return True
+            return ""
+    return named
 
 
 def _latent_norms_nameable(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> bool:

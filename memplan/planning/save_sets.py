@@ -16,8 +16,10 @@ that fits (the ``fits`` the caller gives: an estimate's peak against its budget)
 one estimate: a set that does not fit rules out the later sets whose forward peak is no
 lower; where the forward peaks rise with the bytes this is a bisection. Only the items a policy can
 name are searched (``POLICY_OPS``: the projections, the attention kernel, the activation,
-the gated product, and an upcast RMSNorm's casts, rsqrt and output; other norms' saved
-tensors come from ops that differ by implementation).
+the gated product, and an upcast RMSNorm's casts, rsqrt and output, an upcast-fp32 one's casts
+and rsqrt or rsqrt and x * rstd: ``memplan.model.sac_ops._norm_ops``; other norm tensors come
+from ops that differ by implementation, ``NORM`` items, refused when a save list keeps them:
+``sac_ops.kept_refusal``).
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@
   ``silu``/``gelu``/``relu``; ``mul``; ``cat``, MLA's query and key), its output's last dimension and its index among the layer's
   ops of that family and width (``memplan.model.sac_ops.Item``); the policy counts them per
   layer. An upcast RMSNorm's tensors are named by its casts (``_to_copy``), ``rsqrt`` and
-  products (``mul``); other norms' saved tensors come from ops that differ by
-  implementation: a save list naming them is not expressible and is said so.
+  products (``mul``), an upcast-fp32 one's by its casts and ``rsqrt`` or its ``rsqrt`` and
+  products (``memplan.model.sac_ops._upcast_fp32_ops``); other norm tensors come from ops
+  that differ by implementation (``NORM`` items): an estimate refuses a save list keeping
+  them (``sac_ops.kept_refusal``), and ``emit`` given them says they are not expressible.
 - ``torchtitan``: its per-op SAC (0.3.0 ``distributed/activation_checkpoint.py``
   ``SelectiveAC``) saves its op list's outputs (SDPA, ``aten.mm``/``linear``) but every second
   matmul counted in execution order, and recomputes matmuls whose weight shape is in

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 from memplan.api import estimate, make_layout, make_workload
+from memplan.errors import LayoutError
 from memplan.model import sac_ops
 from memplan.model.dims import Dims
 from memplan.model.layer import ops_items
@@ -78,14 +79,15 @@ def test_qk_norm_policy_names_its_ops() -> None:
     assert "('mul', 16)" not in text
 
 
-def test_qk_norms_in_fp32_are_kept_but_not_named() -> None:
-    """In fp32 the norms' casts are no ops: their tensors are kept by the estimate, not
-    searched, and the policy says it cannot name them."""
+def test_qk_norms_in_fp32_are_refused_when_kept() -> None:
+    """In fp32 the norms' casts are no ops: their tensors are no items a policy names (not
+    searched), and a save list keeping one is refused (before, counted kept while the
+    emitted policy recomputed it)."""
     items = {i.name: i.op for i in _items(precision="fp32") if i.name.startswith("attn.q_norm")}
     assert set(items.values()) == {sac_ops.NORM}
-    est = estimate(TINY_QK, **FIELDS, precision="fp32", recompute="ops",
-                   recompute_save="attn.q_norm.stats")
-    assert "Not expressible, recomputed instead: attn.q_norm.stats" in emit_for("torch", est)
+    with pytest.raises(LayoutError, match=r"no policy names kept \(attn\.q_norm\.stats\)"):
+        estimate(TINY_QK, **FIELDS, precision="fp32", recompute="ops",
+                 recompute_save="attn.q_norm.stats")
 
 
 def test_qwen3_auto_fits() -> None:
