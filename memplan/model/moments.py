@@ -63,8 +63,10 @@ def fold(segments: Iterable[Segment], alive: int = 0) -> tuple[int | None, int]:
         else:
             run, top = 0, None
             for _, delta, transient in events:
-                if transient is not None and (top is None or run + transient > top):
-                    top = run + transient
+                if transient is not None:
+                    at = run + transient
+                    if top is None or at > top:
+                        top = at
                 run += delta
         if top is not None:
             top += alive + (repeat - 1) * run if run > 0 else alive

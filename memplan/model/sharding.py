@@ -187,18 +187,23 @@ class DataParallel(NamedTuple):
             # min(cap, g x r) x d, whole bytes: the cap and g x r over r's denominator
             cap, num = self.grad_cap * r.denominator, d.numerator
             den = r.denominator * d.denominator
-            tail = self.prefetch_tail if gathers is PREFETCH_TAIL else 0
-            return max(m.alive_bytes + m.transient_bytes + min(cap, g * r.numerator) * num // den
-                       + (tail if m.name in PREFETCH_TAIL else 0)
-                       for m, g in zip(moments, grads))
+            rn = r.numerator
+            if gathers is PREFETCH_TAIL and self.prefetch_tail:
+                tail = self.prefetch_tail
+                return max(m.alive_bytes + m.transient_bytes + min(cap, g * rn) * num // den
+                           + (tail if m.name in PREFETCH_TAIL else 0)
+                           for m, g in zip(moments, grads))
+            return max([m.alive_bytes + m.transient_bytes + min(cap, g * rn) * num // den
+                        for m, g in zip(moments, grads)])
         # gradients copied away at their hooks: the moments hold the fresh weight gradients
         # alone, in every micro-batch (``fresh_only``)
         if growing or self.fresh_only:
             return max([m.alive_bytes + m.transient_bytes + g for m, g in zip(moments, grads)])
         # accumulated into existing gradients: the weight gradient a moment just made is in
         # flight beside them until its AccumulateGrad adds it in (``accumulated_fresh``)
-        return max(m.alive_bytes + m.transient_bytes + m.fresh_params * self.fresh_grad
-                   for m in moments)
+        fresh = self.fresh_grad
+        return max([m.alive_bytes + m.transient_bytes + m.fresh_params * fresh
+                    for m in moments])
 
     def layer_forward(self, blocks: tuple[tuple[str, int], ...], peak: int,
                       beside: int) -> int:
@@ -207,8 +212,10 @@ class DataParallel(NamedTuple):
         its blocks (``forward_blocks``, DeepSpeed's ZeRO-3 coordinator, where ``beside`` is
         the most of them) each block's peak beside its own, a block's step (``mlp.prod``)
         beside the step's where given, else its block's; else ``peak`` beside ``beside``."""
+        if not self.forward_blocks:
+            return peak + beside
         gathered = dict(self.forward_blocks)
-        if (not gathered or beside != self.in_block_forward
+        if (beside != self.in_block_forward
                 or _block_names(k for k, _ in blocks) != _block_names(gathered)):
             return peak + beside
         return max(p + gathered.get(k, gathered[k.split(".")[0]]) for k, p in blocks)
@@ -585,11 +592,12 @@ def _unit_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, grow
     root_held = held.root_held
     if dp.flat:
         return _flat_positions(dp, held, layer_grads, n, growing, stage_first)
+    at_block = growing and dp.reduce_at_block  # (read once for the run's positions)
 
     def position(repeat: int, held_input: int, last: bool, measured: bool) -> Position:
         gathered = dp.in_first_block if stage_first and last else dp.in_block
         before = after = None
-        if dp.reduce_at_block and growing:
+        if at_block:
             # at its copy-out before its backward (FSDPParamGroup.wait_for_unshard in
             # pre_backward): its all-gather output beside its unsharded weights (the same
             # bytes as its gradients in the weights' dtype), the previous reduce-scatter

@@ -69,7 +69,7 @@ class PhasePeaks(NamedTuple):
 
     @property
     def peak(self) -> int:
-        return max(self.forward, self.backward, self.optimizer)
+        return max(self)  # (its three phases: the tuple itself)
 
     @property
     def peak_phase(self) -> str:
@@ -152,7 +152,7 @@ class Walked(NamedTuple):
 
     @property
     def tensor_peak(self) -> int:
-        return max(self.steady.peak, self.first_step.peak, self.states.load)
+        return max(*self.steady, *self.first_step, self.states.load)  # (both steps' phases)
 
 
 def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
@@ -377,6 +377,9 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     base = st.params_bytes + fx.buckets + fx.buffers
     optimizer, optimizer_first = _optimizer_peaks(walk.head, fx)
     held = walk.head.backward_held()  # logits held from the loss on (its drain's too)
+    # (the same in both steps' peaks)
+    outside, in_step = _outside_walk(shared, walk), pipe.in_step
+    persistent = pipe.persistent_bytes
 
     def peaks(opt_bytes: int, from_loss: int, steady: bool) -> PhasePeaks:
         in_forward, bwd = grads[2:] if steady else grads1[:2]
@@ -386,10 +389,9 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         after = max(_after_backward(fx, dfr, base + opt_bytes + from_loss, held), last_step)
         init = base + opt_bytes + fx.shard.forward_start(steady, st.grads_bytes)
         return PhasePeaks(  # forward, backward, optimizer
-            max(base + resident + opt_bytes + in_forward + _outside_walk(shared, walk)
-                + core.forward[0 if steady else 1] + pipe.in_step,
-                init + pipe.persistent_bytes),
-            max(base + resident + opt_bytes + from_loss + bwd + pipe.in_step,
+            max(base + resident + opt_bytes + in_forward + outside
+                + core.forward[0 if steady else 1] + in_step, init + persistent),
+            max(base + resident + opt_bytes + from_loss + bwd + in_step,
                 after + pipe.at_step if after else 0),
             (optimizer if steady else optimizer_first) + resident + pipe.at_step)
 

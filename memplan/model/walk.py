@@ -205,10 +205,7 @@ def _backward_moments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
         if runs is None:
             positions, after = run_positions(dp, held, layer_grads, max(moment_grads), n,
                                              growing, index == last)
-            local = {k: dp.block_peak(kind.moments, moment_grads, growing, *k)
-                     for k in {(p.reduce, p.gathers, p.beside) for p in positions}}
-            runs = [_layer_segment(p, kind.saved_bytes, local[p.reduce, p.gathers, p.beside],
-                                   step * layer_grads) for p in positions]
+            runs = _run_segments(dp, kind, moment_grads, growing, positions, step * layer_grads)
             if built is not None:
                 built[key] = runs
         else:
@@ -224,6 +221,21 @@ def _backward_moments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
                              *after)))
     end = step_end_moments(dp, w.other_bytes, emb.freed_before)
     return [*segments, Segment(end)] if end else segments
+
+
+def _run_segments(dp: DataParallel, kind: LayerKind, moment_grads: tuple[int, ...],
+                  growing: bool, positions: list[Position], step: int) -> list[Segment]:
+    """A run's segments, one per position (``_layer_segment``), the layer's own peak
+    (``DataParallel.block_peak``) computed once per distinct (reduce, gathers, beside)."""
+    local: dict[tuple, int] = {}
+    out = []
+    for p in positions:
+        key = (p.reduce, p.gathers, p.beside)
+        peak = local.get(key)
+        if peak is None:
+            peak = local[key] = dp.block_peak(kind.moments, moment_grads, growing, *key)
+        out.append(_layer_segment(p, kind.saved_bytes, peak, step))
+    return out
 
 
 def _head_segment(w: Walk, growing: bool) -> tuple[Segment, Held]:
