@@ -95,8 +95,11 @@ def read(path: str | Path, gpus: int, model: str | None = None) -> Imported:
     return imp
 
 
-def _read_tables(toml: _Toml, imp: Imported, gpus: int, model: str | None) -> None:
-    """The mapping of a job's tables (a TOML's, or those of a registry entry)."""
+def _read_tables(toml: _Toml, imp: Imported, gpus: int, model: str | None,
+                 always_fsdp: bool = False) -> None:
+    """The mapping of a job's tables (a TOML's, or those of a registry entry). ``always_fsdp``:
+    torchtitan 0.3's parallelize functions, which shard with FSDP2 whatever the shard degree
+    (``_layout``)."""
     imp.set("(framework)", "torchtitan", "framework", "torchtitan",
             "the job runs torchtitan: its implementation defaults")
     if model is None:
@@ -106,7 +109,7 @@ def _read_tables(toml: _Toml, imp: Imported, gpus: int, model: str | None) -> No
         imp.set("model.name/flavor", f"{toml.get('model', 'name', str, 'llama3')} "
                 f"{toml.get('model', 'flavor', str, 'debugmodel')}", "model", model,
                 "replaced by --model")
-    degrees = _layout(toml, imp, gpus)
+    degrees = _layout(toml, imp, gpus, always_fsdp)
     _batch(toml, imp, degrees)
     _precision(toml, imp, degrees)
     _recompute(toml, imp)
@@ -129,7 +132,7 @@ def _read_registry(text: str, gpus: int, model: str | None) -> Imported:
         raise imp.refuse("model_spec", None, "the config names no model_registry(...) "
                                              "flavor: give --model")
     imp.notes.extend(notes)
-    _read_tables(_Toml(data, imp), imp, gpus, model)
+    _read_tables(_Toml(data, imp), imp, gpus, model, always_fsdp=True)
     loss = trainer.kwargs.get("loss")
     if isinstance(loss, reg.Call) and loss.name.endswith("ChunkedLossWrapper.Config"):
         chunks = loss.kwargs.get("num_chunks", 8)
@@ -193,9 +196,16 @@ def _degree(toml: _Toml, key: str, default: int = 1) -> int:
     return value
 
 
-def _layout(toml: _Toml, imp: Imported, gpus: int) -> dict[str, int]:
+def _layout(toml: _Toml, imp: Imported, gpus: int, always_fsdp: bool = False
+            ) -> dict[str, int]:
     """The parallel degrees, as ParallelDims._validate resolves them (distributed/
-    parallel_dims.py): the shard degree -1 is the ranks left after the others."""
+    parallel_dims.py): the shard degree -1 is the ranks left after the others. v0.2.2 shards
+    with FSDP2 only when the shard degree or cp is above 1 (ParallelDims.fsdp_enabled), else
+    DDP or one rank; 0.3's (``always_fsdp``) parallelize functions call
+    ``apply_fsdp_to_decoder`` whatever the degrees (models/llama3/parallelize.py
+    parallelize_llama: "with shard_degree=1 it is a no-op for the all-gather but still installs
+    the MixedPrecisionPolicy"; qwen3's and deepseek_v3's alike), over the replicate and shard
+    mesh: FSDP2 units on a shard group of one rank, replicated (HSDP) where replicate > 1."""
     p = "parallelism"
     rep = _degree(toml, "data_parallel_replicate_degree")
     shard = _degree(toml, "data_parallel_shard_degree", -1)
@@ -223,13 +233,15 @@ def _layout(toml: _Toml, imp: Imported, gpus: int) -> dict[str, int]:
             imp.set(f"{p}.{key}", value, target, value)
     if ep != 1:
         imp.set(f"{p}.expert_parallel_degree", ep, "ep", ep)
-    fsdp = shard > 1 or cp > 1  # ParallelDims.fsdp_enabled
+    fsdp = shard > 1 or cp > 1 or always_fsdp  # ParallelDims.fsdp_enabled (v0.2.2)
     imp.set(f"{p}.data_parallel_shard_degree", toml.section(p).get(
         "data_parallel_shard_degree", -1), "dp", rep * shard,
         how or "dp = replicate * shard")
     imp.set(f"{p}.data_parallel_shard_degree", shard, "zero", 3 if fsdp else 0,
+            "FSDP2 (fully_shard) always: 0.3's apply_fsdp_to_decoder, a shard group of one "
+            "rank too" if always_fsdp else
             "FSDP2 (fully_shard) when the shard degree or cp > 1; else DDP or one rank")
-    if rep > 1 and shard > 1:
+    if rep > 1 and (shard > 1 or always_fsdp):
         imp.set(f"{p}.data_parallel_replicate_degree", rep, "dp_shard", shard,
                 "HSDP: replicas of shard groups")
     if tp > 1:
@@ -318,7 +330,9 @@ def _precision(toml: _Toml, imp: Imported, degrees: dict[str, int]) -> None:
     """training.dtype bfloat16: everything in bf16; else fp32 weights with FSDP2's
     MixedPrecisionPolicy(param_dtype=mixed_precision_param) when FSDP is on
     (models/llama3/infra/parallelize.py apply_fsdp), torch.autocast for DDP or one rank, and
-    no mixed precision under TP or PP without FSDP (distributed/utils.py maybe_enable_amp)."""
+    no mixed precision under TP or PP without FSDP (distributed/utils.py maybe_enable_amp,
+    v0.2.2). 0.3 has no autocast: its MixedPrecisionPolicy applies on every layout, FSDP2
+    being always on (``_layout``'s ``always_fsdp``)."""
     t = "training"
     dtype = toml.get(t, "dtype", str, "float32")
     param = toml.get(t, "mixed_precision_param", str, "bfloat16")

@@ -442,6 +442,14 @@ REG_MAIN = TITAN / "main" / "llama3" / "config_registry.py"
      {"tp": 2, "dp": 32, "micro_batch_size": 2, "global_batch_size": 64}),
     (f"--module={REG_030} --config=llama3_70b --parallelism.tensor_parallel_degree 4", 64,
      "llama-3-70b", {"tp": 4, "dp": 16, "global_batch_size": 128}),
+    # 0.3 shards with FSDP2 on every layout (models/llama3/parallelize.py parallelize_llama
+    # calls apply_fsdp_to_decoder whatever the degrees): one rank is FSDP2 on a one-rank
+    # shard group under its MixedPrecisionPolicy, not v0.2.2's autocast; replicate 8 of
+    # shard 1 is HSDP of one-rank shard groups, not DDP
+    (f"{REG_030} --config llama3_8b", 1, "llama-3-8b",
+     {"dp": 1, "zero": 3, "precision": "fsdp-bf16"}),
+    (f"{REG_030} --config llama3_8b --parallelism.data_parallel_replicate_degree 8", 8,
+     "llama-3-8b", {"dp": 8, "zero": 3, "dp_shard": 1, "precision": "fsdp-bf16"}),
     # main with PP: each of the 4 pipeline micro-batches holds 8192 tokens, one sequence;
     # a step is 4 of them on each of the 32 data-parallel ranks: 128 sequences
     (f"{REG_MAIN} --config llama3_8b --parallelism.pipeline_parallel_degree 2 "
