@@ -238,6 +238,27 @@ def test_compiled_autocast_layer_moments() -> None:
     assert kind.moments[-1].transient_bytes == 55_296
 
 
+
+def test_compiled_autocast_fused_qkv_under_full_recompute() -> None:
+    """A fused qkv projection (torchtitan's wqkv) under autocast with full recompute, the
+    checkpoint inside the compiled graph (traced: tests/traced/test_compile_trace.py,
+    torchtitan's block at 2 x 256 and 2 x 1,024): the same bytes as separate q/k/v, none of
+    them the projection's. T = 64, h 64, kv 32, f 176: the input T*h*4 = 16,384 saved;
+    forward at the MLP's activation 16,384 + 2 x 8,192 (the output projection's output, the
+    MLP norm's cast) + 2 x 22,528 (gate, up) + 22,528 (the down weight's cast) = 100,352;
+    the backward's end 16,384 + 16,384 + 64*176*2 = 55,296 beside every gradient. Without
+    recompute and under per-op SAC a fused projection stays refused."""
+    full = AMP.model_copy(update={"recompute": Recompute.FULL, "fused_qkv": True})
+    validate(TINY, ParallelConfig(), full)
+    dm = Dims.of(TINY, ParallelConfig(), full)
+    kind = layer_kind(TINY, full, dm, False, Recompute.FULL)
+    assert (kind.saved_bytes, kind.forward_peak_bytes, kind.cached_bytes) == (16_384, 100_352, 0)
+    assert kind.moments[-1].transient_bytes == 55_296
+    for update in ({"recompute": Recompute.NONE},
+                   {"recompute": Recompute.SELECTIVE, "selective_impl": SelectiveImpl.OP}):
+        with pytest.raises(LayoutError, match="a fused qkv projection without full recompute"):
+            validate(TINY, ParallelConfig(), full.model_copy(update=update))
+
 TINY_MOE = TINY.model_validate({**TINY.model_dump(), "name": "tiny-moe",
                                 "moe": {"num_experts": 4, "top_k": 2,
                                         "expert_ffn_hidden_size": 96,
