@@ -259,6 +259,20 @@ def test_compiled_autocast_fused_qkv_under_full_recompute() -> None:
         with pytest.raises(LayoutError, match="a fused qkv projection without full recompute"):
             validate(TINY, ParallelConfig(), full.model_copy(update=update))
 
+
+def test_compiled_autocast_per_op_sac_forward_holds_the_gate_once() -> None:
+    """torchtitan's per-op SAC under autocast, the checkpoint inside the compiled graph
+    (traced: tests/traced/test_compile_trace.py, torchtitan's block, 2 x 256 and 2 x 1,024,
+    exact): the input 16,384 and the policy's outputs, q's 8,192, v's 4,096, the gate's
+    T*f*2 = 22,528, SDPA's output 8,192 and logsumexp 1,024: 60,416 saved. The forward
+    peaks at the MLP's activation kernel (``compiled.autocast_checkpointed_forward_bytes``,
+    100,352 with the input), whose gate output is the kept one: 100,352 + 44,032 - 22,528 =
+    121,856."""
+    sac = AMP.model_copy(update={"recompute": Recompute.SELECTIVE,
+                                 "selective_impl": SelectiveImpl.OP})
+    kind = layer_kind(TINY, sac, AMP_DM, False, Recompute.SELECTIVE)
+    assert (kind.saved_bytes, kind.forward_peak_bytes) == (60_416, 121_856)
+
 TINY_MOE = TINY.model_validate({**TINY.model_dump(), "name": "tiny-moe",
                                 "moe": {"num_experts": 4, "top_k": 2,
                                         "expert_ffn_hidden_size": 96,
