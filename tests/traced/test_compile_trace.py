@@ -317,6 +317,52 @@ def test_compiled_autocast_titan_block_matches_trace(fuse_qkv: bool, checkpoint:
     assert _model_backward(kind, groups, 4, stream) == backward
 
 
+@pytest.mark.parametrize("fuse_qkv,seq,saved,forward,backward,modelled", [
+    (True, 256, 1_982_464, 3_162_112, 7_227_392, 8_081_408),
+    (False, 256, 1_916_928, 3_096_576, 7_262_464, 8_081_408),
+    (True, 1024, 7_929_856, 11_468_800, 27_336_704, 28_983_296)])
+def test_compiled_autocast_titan_block_under_per_op_sac(fuse_qkv: bool, seq: int, saved: int,
+                                                        forward: int, backward: int,
+                                                        modelled: int) -> None:
+    """torchtitan 0.3.0's Llama3 block as ``test_compiled_autocast_titan_block_matches_
+    trace``, inside torchtitan's per-op SAC (its policy, ``_per_op_sac``), compiled around
+    it. Saved set exact: the input and the policy's kept outputs (fused: wqkv's T x (h +
+    2 kv); separate: q's and v's; the gate's T x f, SDPA's output and logsumexp). Forward
+    exact: at the MLP's activation kernel the full recompute's moment
+    (``compiled.autocast_checkpointed_forward_bytes``) with the kept tensors, the gate
+    counted once (``layer.layer_kind``). Backward: memplan reads the full recompute's
+    moments under autocast (``compiled.sac_schedule`` traced without autocast alone), over
+    by 11.8% (fused, 2 x 256), 11.3% (separate) and 6.0% (fused, 2 x 1,024): traced at
+    SDPA's backward at 2 x 256; the schedule of the rerun under autocast is not modelled,
+    so ``parallel._compile_autocast_refusal`` still refuses it."""
+    from memplan.errors import LayoutError
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from memplan.profile.compiled_trace import compiled_layer_step
+    from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
+
+    fields = dict(TITAN["torchtitan"], fuse_qkv=fuse_qkv)
+    traced, traced_forward, traced_backward = compiled_layer_step(
+        {"torchtitan": fields}, "float32", BATCH, seq, autocast="bfloat16", checkpoint="op",
+        gpu_realize=True)
+    spec = torchtitan_spec(torchtitan_config(**fields, seq_len=seq), "llama3-toy")
+    wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="amp-bf16",
+                  recompute=Recompute.SELECTIVE, compile=True, rope_cache="layer",
+                  selective_impl="op")
+    why = "a fused qkv projection" if fuse_qkv else "recompute selective"
+    with pytest.raises(LayoutError, match=f"precision amp-bf16 and {why}"):
+        validate(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, Dims.of(spec, ParallelConfig(), wl), False,
+                      Recompute.SELECTIVE)
+    width = TITAN["torchtitan"]["dim"]
+    stream = BATCH * seq * width * 4
+    assert sum(t.size_bytes for t in traced if not t.graph_input
+               or t.shape == (BATCH, seq, width)) == saved == kind.saved_bytes
+    assert traced_forward == forward == kind.forward_peak_bytes - stream
+    groups = grad_group_params(spec, 1, 1, False)
+    assert (traced_backward, _model_backward(kind, groups, 4, stream)) == (backward, modelled)
+
+
 @pytest.mark.parametrize("fuse_qkv,recipe,checkpoint", [
     (False, "tensorwise", "none"), (False, "rowwise", "none"), (True, "tensorwise", "none"),
     (True, "rowwise", "full")])
