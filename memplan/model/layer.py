@@ -591,6 +591,10 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
             moments = compiled.sac_deferred(moments, _attention_rebuilt(spec, wl, dm, variant),
                                             kept)
             moments = compiled.with_attention_backward(moments, spec, wl, dm, kept)
+        elif in_graph and (amp := compiled.autocast_sac_deferred(
+                moments, spec, dm, _attention_rebuilt(spec, wl, dm, variant), kept,
+                fused)) is not None:  # under autocast, the traced kernel
+            moments = amp
         return full._replace(terms=full.terms + kept,
                              saved_bytes=full.saved_bytes + total(kept),
                              forward_peak_bytes=full.forward_peak_bytes + total(kept) - late,
