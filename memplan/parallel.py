@@ -701,14 +701,26 @@ def _compile_autocast_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     ``torch.autocast`` around the compiled forward): RMSNorm, RoPE, separate q/k/v without
     biases, SDPA, SwiGLU with separate gate and up projections, recompute none or full (the
     checkpoint inside the compiled graph), no adapters, no float8, one TP and CP rank
-    (``validate``)."""
+    (``validate``); and torchtitan 0.3.0's Llama3 block (fp32 weights, its complex RoPE,
+    wqkv fused or not) under CPU autocast to bf16, compiled whole with the checkpoint inside
+    (models/llama3/parallelize.py: AC applied, then ``apply_compile``), at 2 x 256 and
+    2 x 1,024 tokens: recompute none with separate q/k/v, and full with either, saved set and
+    backward peak exact, forward peak 5,056 B under (the CPU generator's state); and
+    torchtitan's per-op SAC with fused wqkv (``compiled.autocast_sac_deferred``), exact. A
+    fused projection without recompute and per-op SAC with separate q/k/v are refused:
+    traced, not modelled (their backward peaks at the attention's backward at 2 x 256)."""
     odd = [(spec.norm.value != "rmsnorm", "LayerNorm"),
            (spec.position.value != "rope" or spec.rope_complex or spec.rope_keeps_dtype
             or spec.rope_interleaved or spec.rope_half_tables or spec.rope_per_layer_type
             or spec.nope_layer_interval > 0 or spec.rotary_dim is not None,
             "a position encoding other than transformers' full fp32 RoPE"),
            (spec.qkv_bias or spec.attn_out_bias or spec.mlp_bias or spec.norm_bias, "biases"),
-           (spec.fused_qkv or wl.fused_qkv, "a fused qkv projection"),
+           # torchtitan's fused wqkv at 2 x 256 without recompute: the backward peaks at
+           # the q RoPE's complex multiply, its fp32 input gradient and output beside the
+           # k and v gradients the fused projection's grad-input matmul waits for (traced
+           # 7,313,408 B against separate q/k/v's 7,032,832 B at the MLP), not modelled
+           ((spec.fused_qkv or wl.fused_qkv) and wl.recompute is Recompute.NONE,
+            "a fused qkv projection without recompute"),
            (spec.qk_norm.value != "none", "q/k norms"),
            (spec.mla is not None, "MLA"),
            (spec.sliding_window is not None, "sliding-window attention"),
@@ -719,7 +731,10 @@ def _compile_autocast_refusal(spec: ModelSpec, wl: Workload) -> str | None:
            (spec.mlp.value != "swiglu" or spec.fused_gate_up
             or spec.activation_impl.value != "kernel",
             "an MLP other than SwiGLU with separate gate and up projections"),
-           (wl.recompute is Recompute.SELECTIVE, "recompute selective"),
+           # per-op SAC with separate q/k/v at 2 x 256: the backward peaks at SDPA's
+           # backward, above the MLP kernel's moment (``compiled.autocast_sac_deferred``)
+           (wl.recompute is Recompute.SELECTIVE and not (spec.fused_qkv or wl.fused_qkv),
+            "recompute selective with separate q/k/v projections"),
            (wl.recompute is Recompute.FULL and wl.compile_in_checkpoint,
             "the activation checkpoint around the compiled layer (compile_in_checkpoint)"),
            (bool(wl.lora_rank), "LoRA adapters"),
@@ -880,7 +895,8 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
                        "sandwich-norm layer in one dtype, recompute none or full; under "
                        "autocast a Llama-like dense layer (RMSNorm, RoPE, no biases, separate "
                        "q/k/v and gate/up) without adapters or float8 on one TP rank, "
-                       "recompute none or full; LoRA on unquantized or torchao NF4 base weights "
+                       "recompute none or full, a fused qkv projection with full "
+                       "recompute or per-op SAC; LoRA on unquantized or torchao NF4 base weights "
                        "(with full recompute: compile_in_checkpoint; on the MLP, all of a "
                        "gated MLP's gate, up and down, no adapter dropout), "
                        "recompute none, full or per-op SAC)")

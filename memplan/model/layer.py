@@ -575,11 +575,14 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         # output (kept) does not exist yet; compiled with the checkpoint inside the graph,
         # at the up projection's matmul (``compiled.checkpointed_mlp_working_bytes``), which
         # holds the gate's output, the very tensor the policy keeps (traced: torchtitan's
-        # block, 2 x 64 and 2 x 1,024 tokens, benchmarks/compiled_backward.py: one T x f over)
+        # block, 2 x 64 and 2 x 1,024 tokens, benchmarks/compiled_backward.py: one T x f over;
+        # under autocast at the MLP's activation kernel, gate and up beside it: traced,
+        # tests/traced/test_compile_trace.py, 2 x 256 and 2 x 1,024, exact)
         in_graph = not moe and not compiled.in_checkpoint(wl)
         linears = mlp_linears(spec, spec.ffn_hidden_size)
         gate_held = in_graph and (
             compiled.checkpointed_mlp_working_bytes(spec, dm, linears) is not None
+            or compiled.autocast_checkpointed_forward_bytes(spec, dm) is not None
             or compiled.float8_gate_held(spec, dm, linears))
         late = sum(t.size_bytes for t in kept
                    if t.name == "sac.mlp.w2" or (t.name == "sac.mlp.w1" and gate_held))
@@ -588,6 +591,10 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
             moments = compiled.sac_deferred(moments, _attention_rebuilt(spec, wl, dm, variant),
                                             kept)
             moments = compiled.with_attention_backward(moments, spec, wl, dm, kept)
+        elif in_graph and (amp := compiled.autocast_sac_deferred(
+                moments, spec, dm, _attention_rebuilt(spec, wl, dm, variant), kept,
+                fused)) is not None:  # under autocast, the traced kernel
+            moments = amp
         return full._replace(terms=full.terms + kept,
                              saved_bytes=full.saved_bytes + total(kept),
                              forward_peak_bytes=full.forward_peak_bytes + total(kept) - late,

@@ -267,6 +267,108 @@ def test_compiled_fp16_autocast_layer_saves_what_the_partitioner_saves() -> None
     assert _autocast_kind("amp-fp16", "none")[0].saved_bytes == traced == 2_888_704
 
 
+@pytest.mark.parametrize("fuse_qkv,checkpoint,seq,saved,forward,backward", [
+    (False, "none", 256, 5_853_184, 6_115_328, 7_032_832),
+    (False, "none", 1024, 18_890_752, 19_939_328, 22_429_696),
+    (True, "full", 256, 524_288, 2_495_424, 8_081_408),
+    (True, "full", 1024, 2_097_152, 8_786_880, 28_983_296)])
+def test_compiled_autocast_titan_block_matches_trace(fuse_qkv: bool, checkpoint: str, seq: int,
+                                                     saved: int, forward: int,
+                                                     backward: int) -> None:
+    """torchtitan 0.3.0's Llama3 block (h 256, f 768, fp32 weights, its complex RoPE; wqkv
+    fused or not) compiled under CPU autocast to bf16, the checkpoint inside the compiled
+    graph (torchtitan applies AC, then compiles each block: models/llama3/parallelize.py),
+    one kernel per scheduler node, Inductor's GPU realization rules; 2 x ``seq`` tokens.
+
+    Recompute none, separate q/k/v: saved set, forward and backward peaks exact, as the
+    transformers toy's mechanisms model them (the casts in the graph, the MLP norm's input
+    as the output projection's bf16 output, ``compiled.autocast_end_bytes``...). Full, fused
+    wqkv: the input alone saved (T*h*4), backward exact; forward 5,056 B under at
+    ``compiled.autocast_checkpointed_forward_bytes`` (the CPU generator's state the
+    checkpoint saves, as for the transformers toy): T = 512, 2 x 262,144 + 2 x 786,432 +
+    393,216 = 2,490,368 (traced 2,495,424). Separate q/k/v under full traced the same
+    bytes. Not modelled, refused (``parallel._compile_autocast_refusal``): fused wqkv
+    without recompute, its backward traced 7,313,408 at 2 x 256 (at the q RoPE's complex
+    multiply's backward, beside the k and v gradients the fused projection's grad-input
+    matmul waits for; memplan's moments 7,032,832, -3.8%; exact at 2 x 1,024). Per-op SAC:
+    ``test_compiled_autocast_titan_block_under_per_op_sac``."""
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from memplan.profile.compiled_trace import compiled_layer_step
+    from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
+
+    fields = dict(TITAN["torchtitan"], fuse_qkv=fuse_qkv)
+    traced, traced_forward, traced_backward = compiled_layer_step(
+        {"torchtitan": fields}, "float32", BATCH, seq, autocast="bfloat16",
+        checkpoint=checkpoint, gpu_realize=True)
+    spec = torchtitan_spec(torchtitan_config(**fields, seq_len=seq), "llama3-toy")
+    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
+    wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="amp-bf16",
+                  recompute=recompute, compile=True, rope_cache="layer", selective_impl="op")
+    validate(spec, ParallelConfig(), wl)  # no longer refused
+    kind = layer_kind(spec, wl, Dims.of(spec, ParallelConfig(), wl), False, recompute)
+    stream = BATCH * seq * TITAN["torchtitan"]["dim"] * 4
+    width = TITAN["torchtitan"]["dim"]
+    assert sum(t.size_bytes for t in traced if not t.graph_input
+               or t.shape == (BATCH, seq, width)) == saved == kind.saved_bytes
+    assert (traced_forward, traced_backward) == (forward, backward)
+    modelled_forward = kind.forward_peak_bytes - stream
+    assert forward - modelled_forward == (0 if checkpoint == "none" else 5_056)
+    groups = grad_group_params(spec, 1, 1, False)
+    assert _model_backward(kind, groups, 4, stream) == backward
+
+
+@pytest.mark.parametrize("fuse_qkv,seq,saved,forward,backward,modelled", [
+    (True, 256, 1_982_464, 3_162_112, 7_227_392, 7_227_392),
+    (False, 256, 1_916_928, 3_096_576, 7_262_464, 8_081_408),
+    (True, 1024, 7_929_856, 11_468_800, 27_336_704, 27_336_704)])
+def test_compiled_autocast_titan_block_under_per_op_sac(fuse_qkv: bool, seq: int, saved: int,
+                                                        forward: int, backward: int,
+                                                        modelled: int) -> None:
+    """torchtitan 0.3.0's Llama3 block as ``test_compiled_autocast_titan_block_matches_
+    trace``, inside torchtitan's per-op SAC (its policy, ``_per_op_sac``), compiled around
+    it. Saved set exact: the input and the policy's kept outputs (fused: wqkv's T x (h +
+    2 kv); separate: q's and v's; the gate's T x f, SDPA's output and logsumexp). Forward
+    exact: at the MLP's activation kernel the full recompute's moment
+    (``compiled.autocast_checkpointed_forward_bytes``) with the kept tensors, the gate
+    counted once (``layer.layer_kind``). Backward, fused wqkv: exact at the MLP's kernel
+    (``compiled.autocast_sac_deferred``; T = 2,048: the kept 5,832,704, the held output
+    2,097,152, the incoming gradient's bf16 cast, the rebuilt output projection's output
+    and the MLP norm's cast 1,048,576 each, wo's cast 131,072, the MLP norm's statistics
+    8,192, up's cast 393,216, up's output, the product's gradient and the kernel's three
+    T x f outputs 3,145,728 each: 27,336,704). Separate q/k/v, still refused: the full
+    recompute's moments, 11.3% over; traced at SDPA's backward at 2 x 256 (at 2 x 1,024
+    at the MLP's kernel, 27,074,560, which ``autocast_sac_deferred`` would give)."""
+    from memplan.errors import LayoutError
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from memplan.profile.compiled_trace import compiled_layer_step
+    from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
+
+    fields = dict(TITAN["torchtitan"], fuse_qkv=fuse_qkv)
+    traced, traced_forward, traced_backward = compiled_layer_step(
+        {"torchtitan": fields}, "float32", BATCH, seq, autocast="bfloat16", checkpoint="op",
+        gpu_realize=True)
+    spec = torchtitan_spec(torchtitan_config(**fields, seq_len=seq), "llama3-toy")
+    wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="amp-bf16",
+                  recompute=Recompute.SELECTIVE, compile=True, rope_cache="layer",
+                  selective_impl="op")
+    if fuse_qkv:
+        validate(spec, ParallelConfig(), wl)  # no longer refused
+    else:
+        with pytest.raises(LayoutError, match="precision amp-bf16 and recompute selective"):
+            validate(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, Dims.of(spec, ParallelConfig(), wl), False,
+                      Recompute.SELECTIVE)
+    width = TITAN["torchtitan"]["dim"]
+    stream = BATCH * seq * width * 4
+    assert sum(t.size_bytes for t in traced if not t.graph_input
+               or t.shape == (BATCH, seq, width)) == saved == kind.saved_bytes
+    assert traced_forward == forward == kind.forward_peak_bytes - stream
+    groups = grad_group_params(spec, 1, 1, False)
+    assert (traced_backward, _model_backward(kind, groups, 4, stream)) == (backward, modelled)
+
+
 @pytest.mark.parametrize("fuse_qkv,recipe,checkpoint", [
     (False, "tensorwise", "none"), (False, "rowwise", "none"), (True, "tensorwise", "none"),
     (True, "rowwise", "full")])

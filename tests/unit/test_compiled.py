@@ -238,6 +238,54 @@ def test_compiled_autocast_layer_moments() -> None:
     assert kind.moments[-1].transient_bytes == 55_296
 
 
+
+def test_compiled_autocast_fused_qkv_under_full_recompute() -> None:
+    """A fused qkv projection (torchtitan's wqkv) under autocast with full recompute, the
+    checkpoint inside the compiled graph (traced: tests/traced/test_compile_trace.py,
+    torchtitan's block at 2 x 256 and 2 x 1,024): the same bytes as separate q/k/v, none of
+    them the projection's. T = 64, h 64, kv 32, f 176: the input T*h*4 = 16,384 saved;
+    forward at the MLP's activation 16,384 + 2 x 8,192 (the output projection's output, the
+    MLP norm's cast) + 2 x 22,528 (gate, up) + 22,528 (the down weight's cast) = 100,352;
+    the backward's end 16,384 + 16,384 + 64*176*2 = 55,296 beside every gradient.
+
+    Under per-op SAC (``compiled.autocast_sac_deferred``) the full recompute's moments but
+    at the MLP's kernel: the attention side the rerun would have rebuilt, less what the
+    policy keeps of it, deferred (the norm's cast 8,192 and statistics 256, q 8,192, k and
+    v 4,096 each, SDPA's output 8,192 and logsumexp 1,024, the attention weights' casts
+    24,576: 58,624, less the kept wqkv output T*128*2 = 16,384, SDPA's output and
+    logsumexp: 33,024), the gate weight's cast not made (22,528), the output projection's
+    made (64*64*2 = 8,192): 47,360 below full's. Without recompute a fused projection stays
+    refused."""
+    full = AMP.model_copy(update={"recompute": Recompute.FULL, "fused_qkv": True})
+    validate(TINY, ParallelConfig(), full)
+    dm = Dims.of(TINY, ParallelConfig(), full)
+    kind = layer_kind(TINY, full, dm, False, Recompute.FULL)
+    assert (kind.saved_bytes, kind.forward_peak_bytes, kind.cached_bytes) == (16_384, 100_352, 0)
+    assert kind.moments[-1].transient_bytes == 55_296
+    sac = full.model_copy(update={"recompute": Recompute.SELECTIVE,
+                                  "selective_impl": SelectiveImpl.OP})
+    validate(TINY, ParallelConfig(), sac)
+    rebuilt = {m.name: m for m in kind.moments}
+    for m in layer_kind(TINY, sac, dm, False, Recompute.SELECTIVE).moments:
+        assert rebuilt[m.name].alive_bytes - m.alive_bytes == (
+            47_360 if m.name == "mlp_act" else 0)
+    with pytest.raises(LayoutError, match="a fused qkv projection without recompute"):
+        validate(TINY, ParallelConfig(), full.model_copy(update={"recompute": Recompute.NONE}))
+
+
+def test_compiled_autocast_per_op_sac_forward_holds_the_gate_once() -> None:
+    """torchtitan's per-op SAC under autocast, the checkpoint inside the compiled graph
+    (traced: tests/traced/test_compile_trace.py, torchtitan's block, 2 x 256 and 2 x 1,024,
+    exact): the input 16,384 and the policy's outputs, q's 8,192, v's 4,096, the gate's
+    T*f*2 = 22,528, SDPA's output 8,192 and logsumexp 1,024: 60,416 saved. The forward
+    peaks at the MLP's activation kernel (``compiled.autocast_checkpointed_forward_bytes``,
+    100,352 with the input), whose gate output is the kept one: 100,352 + 44,032 - 22,528 =
+    121,856."""
+    sac = AMP.model_copy(update={"recompute": Recompute.SELECTIVE,
+                                 "selective_impl": SelectiveImpl.OP})
+    kind = layer_kind(TINY, sac, AMP_DM, False, Recompute.SELECTIVE)
+    assert (kind.saved_bytes, kind.forward_peak_bytes) == (60_416, 121_856)
+
 TINY_MOE = TINY.model_validate({**TINY.model_dump(), "name": "tiny-moe",
                                 "moe": {"num_experts": 4, "top_k": 2,
                                         "expert_ffn_hidden_size": 96,
