@@ -97,6 +97,26 @@ def _route_norm(spec: ModelSpec) -> bool:
     return True
 
 
+def _casts(dm: Dims) -> int:
+    """How many bf16 copies of the gathered rows the grouped matmuls save: one where the
+    rows are bf16 already (``x_RD.bfloat16()`` returns the tensor itself), two where they are
+    not (fp32 weights, with or without autocast: w1's and w3's ``x_RD.bfloat16()`` are two
+    calls, two copies)."""
+    return 2 if dm.e >= FP32_BYTES or dm.autocast else 1
+
+
+def _weight_casts(spec: ModelSpec, dm: Dims) -> int:
+    """The bf16 copies of w1, w3 and w2 the grouped matmuls save where the weights are not
+    bf16 (fp32 weights: ``w1_EFD.bfloat16()``, a new tensor each): 3 x (E / ep) f h x 2 B
+    over the rank's experts, f split by the experts' TP; 0 with bf16 weights (FSDP2's
+    MixedPrecisionPolicy gathers them in bf16: the casts return them)."""
+    moe = _moe(spec)
+    if _casts(dm) == 1:
+        return 0
+    f = moe.expert_ffn_hidden_size // dm.experts().tp
+    return 3 * moe.num_experts // dm.ep * f * spec.hidden_size * EXPERT_BYTES
+
+
 def titan_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
     """torchtitan's MoE block's saved terms for one micro-batch on one rank (module
     docstring), R = T k routed rows, experts in bf16 (``EXPERT_BYTES``)."""
@@ -113,7 +133,8 @@ def titan_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
               Term("moe.topk_weights", norm),
               Term("moe.sort_index", routed * INDEX_BYTES),
               Term("moe.token_index", routed * INDEX_BYTES),
-              Term("moe.dispatched", routed * h * EXPERT_BYTES),
+              Term("moe.dispatched", routed * h * EXPERT_BYTES * _casts(dm)),
+              Term("moe.expert_weights_bf16", _weight_casts(spec, dm)),
               *mlp.mlp_terms("moe.expert", spec, ex, moe.expert_ffn_hidden_size, routed),
               Term("moe.offsets", moe.num_experts // dm.ep * OFFSET_BYTES),
               Term("moe.expert_out", routed * h * FP32_BYTES),
@@ -138,16 +159,20 @@ def _bound_bytes(spec: ModelSpec, dm: Dims) -> int:
 
 def combine_extra(spec: ModelSpec, dm: Dims) -> int:
     """Beside the saved terms at ``LocalTokenDispatcher.combine``'s largest moment: the bound
-    tensors (``_bound_bytes``), the experts' output (``.type_as(x)``, R h in the block's
-    dtype, bound in ``RoutedExperts.forward``; in fp32 it is the saved tensor itself) and
-    the larger of: the fp32 product with the scores and its cast back (R h x (4 + e)), or the
-    cast, ``zeros_like(x)`` and the scatter's output (R h e + 2 T h e)."""
+    tensors (``_bound_bytes``), the experts' output (``.type_as(x)``, R h e, bound in
+    ``RoutedExperts.forward``; in fp32 it is the saved fp32 copy itself), the gathered rows
+    where they are not bf16 (``routed_input_RD``, R h e, bound there too; their bf16 casts are
+    what is saved) and the larger of: the fp32 product with the scores and its cast back
+    (R h x 4, and R h e below fp32), or the cast (in fp32 the product itself),
+    ``zeros_like(x)`` and the scatter's output (R h e + 2 T h e). Traced: torchtitan's Qwen3
+    MoE toy, bf16 and fp32 (the scatter the fp32 forward's peak)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     routed = dm.tokens * moe.top_k
     out = routed * h * e if e < FP32_BYTES else 0
-    cast = routed * h * e if e < FP32_BYTES else 0
-    return _bound_bytes(spec, dm) + out + max(routed * h * FP32_BYTES + cast,
-                                              cast + 2 * dm.rows * h * e)
+    rows = routed * h * e if _casts(dm) == 2 else 0
+    cast = routed * h * e
+    return _bound_bytes(spec, dm) + out + rows + max(
+        routed * h * FP32_BYTES + (cast if e < FP32_BYTES else 0), cast + 2 * dm.rows * h * e)
 
 
 def combine_backward_bytes(spec: ModelSpec, dm: Dims) -> int:
