@@ -1061,17 +1061,19 @@ class MoE:
 def _titan_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
     """torchtitan's MoE backward (``MoeImpl.TITAN``, ``memplan.model.moe_titan``): its shared
     experts ran last, so their MLP backward runs first (``_shared_last_backward``); then the
-    combine's (``moe_titan.combine_backward_bytes``), its terms and the shared ones freed
-    after it; then the grouped experts' MLP backward over the R = T k rows in bf16 from their
-    output's gradient (R h, cast back from the fp32 product's), the block's incoming gradient
-    and, with shared experts, their input's waiting (``_shared_ran_first``)."""
+    combine's (``moe_titan.combine_backward_bytes``; the shared terms freed by then), its
+    terms freed after it; then the grouped experts' MLP backward over the R = T k rows in
+    bf16 from their output's gradient (R h, cast back from the fp32 product's), the block's
+    incoming gradient and, with shared experts, their input's waiting
+    (``_shared_ran_first``). Traced: torchtitan's Qwen3 MoE toy with and without a shared
+    expert, bf16 and fp32, each backward peak exact."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     spec = moe_titan.titan_spec(spec)
     routed = dm.tokens * moe.top_k
     ex = dm.experts()._replace(e=moe_titan.EXPERT_BYTES)
     shared, waiting = _shared_ran_first(spec, dm)
     combine = BackwardMoment("moe_unsort", saved - shared,
-                             moe_titan.combine_backward_bytes(spec, dm) + waiting, ())
+                             moe_titan.combine_backward_bytes(spec, dm), ())
     if shared:
         combine = combine._replace(grads=("moe_shared",))
     experts = mlp.backward_moments(
