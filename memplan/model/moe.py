@@ -928,6 +928,8 @@ class MoE:
             return [Moment("mlp", 0, stream + _every_working(spec, dm))]
         if wl.moe_impl is MoeImpl.PARALLEL:
             return [Moment("mlp", 0, moe_parallel.working_bytes(spec, dm))]
+        if wl.moe_impl is MoeImpl.TITAN:
+            return [Moment("mlp", 0, moe_titan.working_bytes(spec, dm))]
         if wl.moe_impl.grouped:
             # the bf16 working set (``_grouped_moments``, traced on transformers' Mixtral);
             # with torchao's float8 grouped GEMMs their casts at the matmuls (traced on

@@ -164,15 +164,16 @@ def combine_extra(spec: ModelSpec, dm: Dims) -> int:
     where they are not bf16 (``routed_input_RD``, R h e, bound there too; their bf16 casts are
     what is saved) and the larger of: the fp32 product with the scores and its cast back
     (R h x 4, and R h e below fp32), or the cast (in fp32 the product itself),
-    ``zeros_like(x)`` and the scatter's output (R h e + 2 T h e). Traced: torchtitan's Qwen3
+    ``zeros_like(x)`` (T h e) beside either. Traced: torchtitan's Qwen3
     MoE toy, bf16 and fp32 (the scatter the fp32 forward's peak)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     routed = dm.tokens * moe.top_k
     out = routed * h * e if e < FP32_BYTES else 0
     rows = routed * h * e if _casts(dm) == 2 else 0
     cast = routed * h * e
-    return _bound_bytes(spec, dm) + out + rows + max(
-        routed * h * FP32_BYTES + (cast if e < FP32_BYTES else 0), cast + 2 * dm.rows * h * e)
+    zeros = dm.rows * h * e  # combine's first statement: out_TD = torch.zeros_like(x_TD)
+    return _bound_bytes(spec, dm) + out + rows + zeros + max(
+        routed * h * FP32_BYTES + (cast if e < FP32_BYTES else 0), cast + dm.rows * h * e)
 
 
 def combine_backward_bytes(spec: ModelSpec, dm: Dims) -> int:
@@ -193,3 +194,29 @@ def buffer_bytes(spec: ModelSpec, wl: Workload, layers: list[int]) -> int:
         return 0
     moe_layers = sum(1 for i in layers if spec.is_moe_layer(i))
     return moe_layers * 2 * spec.moe.num_experts * FP32_BYTES
+
+
+def working_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """The block in a checkpointed forward (nothing saved), at its largest moment beyond the
+    layer's own tensors: the routing's tensors (the fp32 scores, the expert ids, the scaled
+    top-k scores, the sorted scores and the token index, the routing map, counts and
+    offsets), the gathered rows (R h e, in the block's dtype) and the
+    experts' output (R h e), with the larger of: the grouped matmuls' (at w3's: a bf16 cast
+    of the rows where they are not bf16, the activation and the up projection's output, R f
+    x 2 B each), the combine's zeros (T h e) with its fp32 copy of the output and their product with the
+    scores (R h x 4 each; in fp32 the product alone) or with the scatter's (the cast back,
+    R h e, and the output, T h e). Traced: torchtitan's Qwen3 MoE toy under full
+    recompute, bf16 and fp32 (the scatter the forward's peak)."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    routed, f = dm.tokens * moe.top_k, moe.expert_ffn_hidden_size // dm.experts().tp
+    routing = (dm.tokens * moe.num_experts * (FP32_BYTES + 1)
+               + dm.tokens * moe.top_k * (INDEX_BYTES + FP32_BYTES)
+               + routed * (FP32_BYTES + INDEX_BYTES)
+               + moe.num_experts * INDEX_BYTES + moe.num_experts // dm.ep * OFFSET_BYTES)
+    rows = routed * h * e
+    cast = routed * h * EXPERT_BYTES if _casts(dm) == 2 else 0
+    experts = cast + 2 * routed * f * EXPERT_BYTES
+    product = routed * h * FP32_BYTES * (2 if e < FP32_BYTES else 1)
+    scatter = routed * h * e + dm.rows * h * e
+    zeros = dm.rows * h * e  # combine's first statement: out_TD = torch.zeros_like(x_TD)
+    return routing + rows + max(experts, rows + zeros + max(product, scatter))
