@@ -243,6 +243,13 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
             Default("fused_qkv", True,
                     f"models/common/attention.py FusedQKVLinear (fuse_qkv in the llama3 flavors) "
                     f"({_TITAN})"),
+            Default("moe_impl", "titan",
+                    f"models/common/moe.py MoE.forward: TokenChoiceTopKRouter (its gate under "
+                    f"fp32 autocast), RoutedExperts with LocalTokenDispatcher (models/common/"
+                    f"token_dispatcher.py _local_reorder, combine) and GroupedExperts "
+                    f"(torch._grouped_mm in bf16), shared experts after them, for every MoE "
+                    f"flavor (qwen3, deepseek_v3, kimi_k2, gpt_oss's router and dispatcher) "
+                    f"({_TITAN})"),
             Default("rope_cache", "layer",
                     f"models/common/rope.py RoPE.__init__: register_buffer('cache', ...) in "
                     f"every attention layer, complex64 (max_seq_len, head_dim/2), cut to "

@@ -162,9 +162,10 @@ def combine_extra(spec: ModelSpec, dm: Dims) -> int:
     tensors (``_bound_bytes``), the experts' output (``.type_as(x)``, R h e, bound in
     ``RoutedExperts.forward``; in fp32 it is the saved fp32 copy itself), the gathered rows
     where they are not bf16 (``routed_input_RD``, R h e, bound there too; their bf16 casts are
-    what is saved) and the larger of: the fp32 product with the scores and its cast back
-    (R h x 4, and R h e below fp32), or the cast (in fp32 the product itself),
-    ``zeros_like(x)`` (T h e) beside either. Traced: torchtitan's Qwen3
+    what is saved), ``zeros_like(x)`` (T h e, combine's first tensor) and the larger of: the
+    fp32 product with the scores and its cast back (R h x 4, and R h e below fp32), or the
+    cast (in fp32 the product itself) and the scatter's output (R h e + T h e). Traced:
+    torchtitan's Qwen3
     MoE toy, bf16 and fp32 (the scatter the fp32 forward's peak)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     routed = dm.tokens * moe.top_k
