@@ -73,7 +73,7 @@ def check(spec: ModelSpec) -> None:
     """Refuse, with a ``LayoutError`` naming the field, what ``refusal`` finds."""
     why = refusal(spec)
     if why is not None:
-        raise LayoutError(why)
+        raise LayoutError("moe_impl titan runs torchtitan's MoE block", why)
 
 
 @lru_cache(maxsize=256)

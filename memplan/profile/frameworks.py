@@ -751,7 +751,11 @@ def torchtitan_moe_spec(cfg, name: str) -> ModelSpec:
     if moe.shared_experts is not None:
         update |= {"num_shared_experts": 1, "shared_experts_last": True,
                    "shared_expert_ffn_hidden_size": moe.shared_experts.w1.out_features}
-    return spec.model_copy(update={"moe": spec.moe.model_copy(update=update)})
+    # FusedQKVLinear (models/common/attention.py; make_gqa_config's fuse_qkv): one wqkv
+    qkv = getattr(attn, "qkv_linear", None)
+    fused = qkv is None or type(qkv).__qualname__.startswith("FusedQKVLinear")
+    return spec.model_copy(update={"moe": spec.moe.model_copy(update=update),
+                                   "fused_qkv": fused})
 
 
 def _titan_router_fp32(model) -> None:
