@@ -1,0 +1,99 @@
+"""torchtitan 0.3.0's own MoE block (``moe_impl titan``, the torchtitan preset's default:
+models/common/moe.py ``MoE.forward``, models/common/token_dispatcher.py
+``LocalTokenDispatcher``), bytes derived by hand.
+
+tiny-moe (tests/unit/test_moe_recompute.py's): h 64, 4 stacked SwiGLU experts of f 96, top-2;
+seq 128 and micro-batch 2: T = 256 tokens, R = T*k = 512 routed rows; E = 4.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from memplan.api import make_layout, make_workload
+from memplan.errors import LayoutError
+from memplan.model.dims import Dims
+from memplan.model.layer import layer_blocks
+from memplan.model.moe import MoE
+from memplan.spec import ModelSpec, MoESpec, load_model
+
+TINY_MOE = dict(num_experts=4, top_k=2, expert_ffn_hidden_size=96, stacked_experts=True)
+
+
+def _setup(precision: str = "bf16-pure", recompute: str | None = None, **moe):
+    spec = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-moe",
+                                     "moe": MoESpec(**(TINY_MOE | moe)).model_dump()})
+    extra = {"recompute": recompute} if recompute else {}
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, moe_impl="titan",
+                       precision=precision, **extra)
+    return spec, wl, Dims.of(spec, make_layout(1), wl)
+
+
+def test_saved_terms_in_bf16() -> None:
+    """In bf16 (e = 2), per MoE layer: the gate's fp32 copies of its input (T h x 4 = 65,536)
+    and weight (E h x 4 = 1,024); the fp32 softmax (T E x 4 = 4,096); the chosen experts' ids
+    (T k x 8 = 4,096); route_norm's division operands, the gathered scores and their sum
+    (R x 4 + T x 4 = 3,072); the argsort and the token index (R x 8 = 4,096 each); the
+    gathered rows (R h x 2 = 65,536); the experts' gate, activation, up and product (4 x R f
+    x 2 = 393,216); the grouped matmuls' int32 offsets (E x 4 = 16); the experts' output in
+    fp32 and the sorted scores, their product's operands (R h x 4 = 131,072; R x 4 =
+    2,048): 677,904. The ffn norm's output is saved by no one (its T h x 2 = 32,768 not
+    counted)."""
+    spec, wl, dm = _setup()
+    saved = {t.name: t.size_bytes for t in MoE().saved(spec, wl, dm, wl.recompute)}
+    assert saved["moe.router_input_fp32"] == 65_536 and saved["moe.expert_out"] == 131_072
+    assert saved["moe.offsets"] == 16 and saved["moe.expert_weights_bf16"] == 0
+    assert sum(saved.values()) == 677_904
+    norm = layer_blocks(spec, True)[2]
+    names = {t.name for t in norm.saved(spec, wl, dm, wl.recompute)}
+    assert norm.name == "mlp_norm" and "mlp_norm.output" not in names
+
+
+def test_saved_terms_in_fp32() -> None:
+    """In fp32 (e = 4) the gate reads the norm's output itself (saved, as a dense layer's):
+    no fp32 copies; GroupedExperts' ``.bfloat16()`` casts are new tensors: two of the rows
+    (w1's and w3's, 2 x 65,536) and the three weights' (3 x E f h x 2 = 147,456); the rest
+    as in bf16: 677,904 - 66,560 + 65,536 + 147,456 = 824,336."""
+    spec, wl, dm = _setup("fp32")
+    saved = {t.name: t.size_bytes for t in MoE().saved(spec, wl, dm, wl.recompute)}
+    assert "moe.router_input_fp32" not in saved
+    assert saved["moe.dispatched"] == 131_072 and saved["moe.expert_weights_bf16"] == 147_456
+    assert sum(saved.values()) == 824_336
+
+
+def test_checkpointed_forward_peaks_at_the_combine() -> None:
+    """Under full recompute in bf16: the routing's tensors (T E x 5 = 5,120 scores and map,
+    T k x 12 = 6,144 ids and scaled scores, R x 12 = 6,144 sorted scores and token index,
+    E x 8 + E x 4 = 48 counts and offsets: 17,456), the gathered rows and the experts' output
+    (R h x 2 = 65,536 each), the combine's zeros (T h x 2 = 32,768) and its fp32 copy of the
+    output with their product (2 x R h x 4 = 262,144; the scatter's 65,536 + 32,768 is
+    smaller): 443,440."""
+    spec, wl, dm = _setup(recompute="full")
+    (moment,) = MoE().working_set(spec, wl, dm)
+    assert moment.transient_bytes == 443_440
+
+
+def test_preset_defaults_torchtitan_moe_to_titan() -> None:
+    """The torchtitan preset runs torchtitan's block; where it cannot express the MoE (a
+    shared-expert gate: Qwen2-MoE's) memplan's reference loop, as before."""
+    from memplan.api import resolve
+
+    spec, _, _ = _setup()
+    assert resolve(spec, framework="torchtitan")[2].moe_impl.value == "titan"
+    gated, _, _ = _setup(num_shared_experts=1, shared_expert_ffn_hidden_size=96,
+                         shared_expert_gate=True)
+    assert resolve(gated, framework="torchtitan")[2].moe_impl.value == "loop"
+
+
+def test_refuses_a_shared_expert_gate() -> None:
+    spec, wl, dm = _setup(num_shared_experts=1, shared_expert_ffn_hidden_size=96,
+                          shared_expert_gate=True)
+    with pytest.raises(LayoutError, match="moe.shared_expert_gate"):
+        MoE().saved(spec, wl, dm, wl.recompute)
+
+
+def test_op_level_recompute_is_refused() -> None:
+    from memplan.model.sac_ops import moe_refusal
+
+    spec, wl, _ = _setup()
+    assert "moe_impl titan" in (moe_refusal(spec, wl) or "")
