@@ -785,6 +785,22 @@ def _compile_post_norm_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     return next((w for bad, w in odd if bad), None)
 
 
+def _compile_titan_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
+    """Why torchtitan's compiled MoE block (``moe_impl titan``: ``memplan.model.compiled.
+    titan_moe_terms``) is not modelled, or None: traced in bf16 (FSDP2's bf16 parameters),
+    routed experts alone, without recompute or inside full AC."""
+    moe = spec.moe
+    assert moe is not None
+    if wl.compute_dtype.value != "bf16" or wl.precision.policy.autocast:
+        return (f"MoE layers under moe_impl titan in {wl.precision.value} (traced compiled in "
+                "bf16: the experts' bf16 casts of fp32 weights are not)")
+    if wl.recompute is Recompute.SELECTIVE:
+        return "MoE layers under moe_impl titan and recompute selective"
+    if moe.num_shared_experts:
+        return "MoE layers under moe_impl titan with shared experts (traced compiled without)"
+    return None
+
+
 def _compile_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why a compiled MoE layer is not modelled, or None: transformers' grouped experts
     (``memplan.model.compiled.moe_terms``), traced on Qwen3-MoE's and Mixtral's layers in
@@ -792,6 +808,8 @@ def _compile_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     router casting its top-k weights to it: moe_impl grouped)."""
     moe = spec.moe
     assert moe is not None
+    if wl.moe_impl is MoeImpl.TITAN:
+        return _compile_titan_moe_refusal(spec, wl)
     if wl.framework is Framework.TORCHTITAN or not wl.moe_impl.grouped:
         return (f"MoE layers under {wl.framework.value}, moe_impl {wl.moe_impl.value} "
                 "(traced: transformers' grouped experts)")

@@ -876,7 +876,9 @@ class MoE:
         if wl.moe_impl is MoeImpl.TITAN:
             moe_titan.check(spec)
         terms = moe_terms(spec, dm, wl.moe_impl)
-        if dm.compiled:  # (compile_rule: grouped experts only)
+        if dm.compiled and wl.moe_impl is MoeImpl.TITAN:  # (compile_rule: bf16 alone)
+            terms = compiled.titan_moe_terms(terms, spec.hidden_size, _moe(spec), dm)
+        elif dm.compiled:  # (compile_rule: grouped experts only)
             terms = compiled.moe_terms(terms, _moe(spec), dm, wl.moe_impl)
         return terms + residual_dropout_mask("mlp", spec, dm)
 
