@@ -887,6 +887,9 @@ class MoE:
         stream = dm.rows * spec.hidden_size * dm.e
         saved = total(self.saved(spec, wl, dm, recompute))
         moments = [Moment("mlp", saved, stream)]
+        if dm.compiled and wl.moe_impl is MoeImpl.TITAN:
+            return moments + [Moment("moe_combine", saved,
+                                     stream + moe_titan.compiled_combine_bytes(spec, dm))]
         if dm.compiled:
             # Inductor's kernels make the block's output beside what it saves, no eager
             # working set (traced: tests/traced/test_compile_trace.py, the layer's forward
@@ -1077,7 +1080,8 @@ def _titan_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMomen
     ex = dm.experts()._replace(e=moe_titan.EXPERT_BYTES)
     shared, waiting = _shared_ran_first(spec, dm)
     combine = BackwardMoment("moe_unsort", saved - shared,
-                             moe_titan.combine_backward_bytes(spec, dm), ())
+                             moe_titan.compiled_combine_bytes(spec, dm, backward=True)
+                             if dm.compiled else moe_titan.combine_backward_bytes(spec, dm), ())
     if shared:
         combine = combine._replace(grads=("moe_shared",))
     experts = mlp.backward_moments(

@@ -221,3 +221,16 @@ def working_bytes(spec: ModelSpec, dm: Dims) -> int:
     scatter = routed * h * e + dm.rows * h * e
     zeros = dm.rows * h * e  # combine's first statement: out_TD = torch.zeros_like(x_TD)
     return routing + rows + max(experts, rows + zeros + max(product, scatter))
+
+
+def compiled_combine_bytes(spec: ModelSpec, dm: Dims, backward: bool = False) -> int:
+    """The compiled block's combine (``memplan.model.compiled.titan_moe_terms``), beside its
+    saved set: in forward, beside the scatter's output (stream-sized, the walk's), the
+    weighted rows cast back (Inductor fuses the fp32 product and the cast: R h e) and the
+    sorted scores it recomputed (R x 4); in backward, where it starts, the gathered gradient
+    of the weighted rows and the experts' output's (R h e each, the fp32 product's kernel
+    fused) and the scores' (R x 4). Traced: tests/traced/test_compile_trace.py, torchtitan's
+    Qwen3 MoE block in bf16 (the forward exact; the backward 8,048 B under: Inductor's
+    recomputed router tensors there, T x E and T x k in fp32, not modelled)."""
+    routed, h = dm.tokens * _moe(spec).top_k, spec.hidden_size
+    return (2 if backward else 1) * routed * h * dm.e + routed * FP32_BYTES
