@@ -848,6 +848,10 @@ def build_torchtitan(case: FrameworkCase) -> Built:
         _emitted_block_sac(model, spec, rec.name, case.micro_batch_size, case.seq_len, save)
     ac_config = _torchtitan_ac("none" if every is not None or ac == "ops" else ac)
     precision = "bfloat16" if rec.name == "fsdp-bf16" else "float32"
+    # option ``compile``: compile.components "model", each block compiled whole
+    # (distributed/compile.py apply_compile, fullgraph, capture_scalar_outputs)
+    model_compile = (CompileConfig(enable=True, components=["model"])
+                     if case.options.get("compile") else CompileConfig())
     training = TrainingConfig(local_batch_size=case.micro_batch_size, seq_len=case.seq_len,
                               mixed_precision_param=precision)
     # "partial_dtensor": DTensor for model-parallel axes only, FSDP2 on plain modules (the
@@ -865,7 +869,7 @@ def build_torchtitan(case: FrameworkCase) -> Built:
         with sac:
             model = (parallelize_qwen3 if moe else parallelize_llama)(
                 model, parallel_dims=dims, training=training, parallelism=parallelism,
-                compile_config=CompileConfig(), ac_config=ac_config, dump_folder="/tmp")
+                compile_config=model_compile, ac_config=ac_config, dump_folder="/tmp")
     finally:
         pd.device_type = device_type
     params = [p for p in model.parameters() if p.requires_grad]
@@ -923,6 +927,8 @@ def build_torchtitan(case: FrameworkCase) -> Built:
         workload["loss_chunks"] = chunks
     if compiled is not None:
         workload["compile_loss"] = True
+    if case.options.get("compile"):
+        workload["compile"] = True
     from memplan.profile.distributed import _follow_fsdp_storage
 
     state: dict[str, Any] = {}

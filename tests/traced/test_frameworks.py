@@ -432,6 +432,12 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    dp=1), TITAN_MOE_STEPS),
     (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fsdp-bf16", 2, 64,
                    dp=1, options={"ac": "full"}), TITAN_MOE_STEPS),
+    # each block compiled whole (compile.components "model": apply_compile, fullgraph):
+    # memplan.model.compiled.titan_moe_terms; saved activations +4,096 B (+0.27%, 2,048 a
+    # layer: the single block's partition, the same graph, is exact in
+    # tests/traced/test_compile_trace.py; not located)
+    (FrameworkCase("torchtitan", "qwen3-moe-toy", TITAN_MOE_TOY, "fsdp-bf16", 2, 64, dp=1,
+                   options={"compile": True}), TITAN_MOE_STEPS),
     # torchao's Float8Linear on every block linear (torchtitan's float8 converter: widths
     # multiples of 16, the output head filtered), eager: the casts' fp32 working sets at each
     # projection of forward and backward (torchao 0.18.0; skipped without torchao)
