@@ -97,3 +97,27 @@ def test_op_level_recompute_is_refused() -> None:
 
     spec, wl, _ = _setup()
     assert "moe_impl titan" in (moe_refusal(spec, wl) or "")
+
+
+def test_compiled_in_bf16_without_shared_experts_only() -> None:
+    """torchtitan's compiled block (``memplan.model.compiled.titan_moe_terms``) is traced in
+    bf16 with routed experts alone: its saved set there is the eager one less the softmax,
+    route_norm's operands, SiLU(gate) and the sorted scores (2,048 + 3,072 + 98,304 + 2,048
+    recomputed: ``moe.router_probs`` stands as the fp32 logits, the same T E x 4), the
+    experts' output bf16 (R h x 2 = 65,536, not its fp32 copy) and the combine's zeros (T h
+    x 2 = 32,768) kept: 677,904 - 2,048 - 3,072 - 98,304 - 2,048 - 131,072 + 2,048 + 65,536
+    + 32,768 = 541,712. fp32 and shared experts are refused."""
+    from memplan.parallel import validate
+
+    spec, wl, _ = _setup()
+    compiled = wl.model_copy(update={"compile": True})
+    validate(spec, make_layout(1), compiled)
+    dm = Dims.of(spec, make_layout(1), compiled)
+    saved = {t.name: t.size_bytes for t in MoE().saved(spec, compiled, dm, compiled.recompute)}
+    assert saved["moe.expert_out"] == 65_536 and "moe.expert.act" not in saved
+    assert sum(saved.values()) == 541_712
+    for other, why in (((_setup("fp32")[0], _setup("fp32")[1]), "in fp32"),
+                       (_setup(num_shared_experts=1, shared_expert_ffn_hidden_size=96)[:2],
+                        "shared experts")):
+        with pytest.raises(LayoutError, match=why):
+            validate(other[0], make_layout(1), other[1].model_copy(update={"compile": True}))
