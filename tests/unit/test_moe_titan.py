@@ -86,17 +86,28 @@ def test_preset_defaults_torchtitan_moe_to_titan() -> None:
 
 
 def test_refuses_a_shared_expert_gate() -> None:
+    from memplan.parallel import validate
+
     spec, wl, dm = _setup(num_shared_experts=1, shared_expert_ffn_hidden_size=96,
                           shared_expert_gate=True)
+    with pytest.raises(LayoutError, match="moe.shared_expert_gate"):
+        validate(spec, make_layout(1), wl)
     with pytest.raises(LayoutError, match="moe.shared_expert_gate"):
         MoE().saved(spec, wl, dm, wl.recompute)
 
 
-def test_op_level_recompute_is_refused() -> None:
+@pytest.mark.parametrize("recompute", ["selective", "ops"])
+def test_per_op_recompute_is_refused(recompute: str) -> None:
+    """torchtitan's per-op SAC (recompute selective under its preset) and op-level
+    checkpointing keep ops of the block that are not counted: refused."""
+    from memplan.api import estimate
     from memplan.model.sac_ops import moe_refusal
 
     spec, wl, _ = _setup()
     assert "moe_impl titan" in (moe_refusal(spec, wl) or "")
+    extra = {"recompute_save": "mlp"} if recompute == "ops" else {}
+    with pytest.raises(LayoutError, match=f"moe_impl titan with recompute {recompute}"):
+        estimate(spec, framework="torchtitan", seq_len=128, recompute=recompute, **extra)
 
 
 def test_compiled_in_bf16_without_shared_experts_only() -> None:
