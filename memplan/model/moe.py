@@ -704,7 +704,8 @@ def _shared_linears(spec: ModelSpec) -> tuple[Linear, ...]:
 def moe_linears(spec: ModelSpec, ep: int) -> tuple[Linear, ...]:
     """The block's projections on one EP rank in registration order: the router, this rank's
     experts (each an MLP, or with ``stacked_experts`` two tensors holding all of them: gate and
-    up, then down), the shared experts and their gate."""
+    up, then down; with ``split_gate_up`` three: gate, down, up), the shared experts and their
+    gate."""
     moe, h = _moe(spec), spec.hidden_size
     local, f = moe.num_experts // ep, moe.expert_ffn_hidden_size
     router, gate = router_linears(spec)
@@ -714,6 +715,9 @@ def moe_linears(spec: ModelSpec, ep: int) -> tuple[Linear, ...]:
         experts: tuple[Linear, ...] = (
             Linear("experts_in", "mlp", h, inputs * f, bias, stack=local),
             Linear("experts_down", "mlp_out", f, h, bias, split=Split.ROW, stack=local))
+        if moe.split_gate_up and inputs == 2:  # GroupedExperts' w1, w2, w3
+            w1 = Linear("experts_gate", "mlp", h, f, bias, stack=local)
+            experts = (w1, experts[1], w1._replace(name="experts_up"))
     else:  # each expert an MLP, its projections named as routed (``_routed``)
         experts = tuple(lin._replace(name=_EXPERT_MLP + lin.name)
                         for lin in mlp.mlp_linears(spec, f)) * local

@@ -747,7 +747,7 @@ def torchtitan_moe_spec(cfg, name: str) -> ModelSpec:
             "max_position_embeddings": attn.rope.max_seq_len, "hidden_act": "silu",
             "tie_word_embeddings": cfg.enable_weight_tying}
     spec = spec_from_hf_dict(data, f"torchtitan {name}", name)
-    update: dict[str, Any] = {"router_weights_cast": False}
+    update: dict[str, Any] = {"router_weights_cast": False, "split_gate_up": True}
     if moe.shared_experts is not None:
         update |= {"num_shared_experts": 1, "shared_experts_last": True,
                    "shared_expert_ffn_hidden_size": moe.shared_experts.w1.out_features}

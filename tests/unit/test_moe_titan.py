@@ -132,3 +132,16 @@ def test_compiled_in_bf16_without_shared_experts_only() -> None:
                         "shared experts")):
         with pytest.raises(LayoutError, match=why):
             validate(other[0], make_layout(1), other[1].model_copy(update={"compile": True}))
+
+
+def test_split_gate_up_holds_three_stacked_tensors() -> None:
+    """torchtitan's GroupedExperts (``MoESpec.split_gate_up``): w1 (E, f, h), w2 (E, h, f)
+    and w3 (E, f, h), three tensors where transformers' stacked experts hold gate_up (E, 2f,
+    h) and down: the same 3 x 4 x 96 x 64 = 73,728 elements, one tensor more (a fused AdamW
+    step of 4 B)."""
+    spec, _, _ = _setup(split_gate_up=True)
+    fused, _, _ = _setup()
+    split = [n for n in MoE().tensor_sizes(spec, 1, 1)]
+    whole = [n for n in MoE().tensor_sizes(fused, 1, 1)]
+    assert len(split) == len(whole) + 1 and sum(split) == sum(whole)
+    assert split[1:] == [24_576] * 3
