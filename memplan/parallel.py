@@ -800,6 +800,37 @@ def _compile_post_norm_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     return next((w for bad, w in odd if bad), None)
 
 
+def _titan_moe_rule(spec: ModelSpec, wl: Workload) -> None:
+    """torchtitan's MoE block (``moe_impl titan``, ``memplan.model.moe_titan``): what it
+    cannot run of the spec's MoE (``moe_titan.refusal``), and torchtitan's per-op SAC over
+    it (its save list's gate mm and grouped matmuls in the block are not counted:
+    ``memplan.model.layer.layer_kind`` keeps a dense layer's)."""
+    from memplan.model import moe_titan  # (memplan.model imports this module)
+
+    why = moe_titan.refusal(spec)
+    if why is None and wl.recompute in (Recompute.SELECTIVE, Recompute.OPS):
+        why = (f"moe_impl titan with recompute {wl.recompute.value} (torchtitan's MoE "
+               "block is modelled under recompute none and full)")
+    if why is not None:
+        raise LayoutError("moe_impl titan runs torchtitan's MoE block", why)
+
+
+def _compile_titan_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
+    """Why torchtitan's compiled MoE block (``moe_impl titan``: ``memplan.model.compiled.
+    titan_moe_terms``) is not modelled, or None: traced in bf16 (FSDP2's bf16 parameters),
+    routed experts alone, without recompute or inside full AC."""
+    moe = spec.moe
+    assert moe is not None
+    if wl.compute_dtype.value != "bf16" or wl.precision.policy.autocast:
+        return (f"MoE layers under moe_impl titan in {wl.precision.value} (traced compiled in "
+                "bf16: the experts' bf16 casts of fp32 weights are not)")
+    if wl.recompute is Recompute.SELECTIVE:
+        return "MoE layers under moe_impl titan and recompute selective"
+    if moe.num_shared_experts:
+        return "MoE layers under moe_impl titan with shared experts (traced compiled without)"
+    return None
+
+
 def _compile_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why a compiled MoE layer is not modelled, or None: transformers' grouped experts
     (``memplan.model.compiled.moe_terms``), traced on Qwen3-MoE's and Mixtral's layers in
@@ -807,6 +838,8 @@ def _compile_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     router casting its top-k weights to it: moe_impl grouped)."""
     moe = spec.moe
     assert moe is not None
+    if wl.moe_impl is MoeImpl.TITAN:
+        return _compile_titan_moe_refusal(spec, wl)
     if wl.framework is Framework.TORCHTITAN or not wl.moe_impl.grouped:
         return (f"MoE layers under {wl.framework.value}, moe_impl {wl.moe_impl.value} "
                 "(traced: transformers' grouped experts)")
@@ -995,6 +1028,8 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
                           "0.1's NF4Tensor cannot be sharded (nf4 describes a sharded QLoRA)")
     if (err := fsdp1_rule(spec, par, wl)) is not None:
         raise err
+    if spec.moe is not None and wl.moe_impl is MoeImpl.TITAN:
+        _titan_moe_rule(spec, wl)
     if spec.moe is not None and wl.precision.policy.autocast:
         raise LayoutError(
             f"precision {wl.precision.value} is not modelled for MoE layers",

@@ -118,6 +118,17 @@ def _hf_cache(spec: ModelSpec) -> bool:
     return spec.use_cache
 
 
+def _titan_moe(spec: ModelSpec) -> str:
+    # torchtitan's own block where it can express the spec's MoE (memplan.model.moe_titan.
+    # refusal: no shared-expert gate, no clamped or every-expert or parallel experts, gated
+    # experts); memplan's reference loop otherwise, as before torchtitan's block was modelled
+    from memplan.model import moe_titan
+
+    if spec.moe is None or moe_titan.refusal(spec) is None:
+        return "titan"
+    return "loop"
+
+
 def _titan_units(spec: ModelSpec) -> str:
     return "root" if spec.tied_embeddings else "torchtitan"
 
@@ -242,6 +253,15 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
                     f"CUDA's fused kernel ({_TITAN})"),
             Default("fused_qkv", True,
                     f"models/common/attention.py FusedQKVLinear (fuse_qkv in the llama3 flavors) "
+                    f"({_TITAN})"),
+            Default("moe_impl", _titan_moe,
+                    f"models/common/moe.py MoE.forward: TokenChoiceTopKRouter (its gate under "
+                    f"fp32 autocast), RoutedExperts with LocalTokenDispatcher (models/common/"
+                    f"token_dispatcher.py _local_reorder, combine) and GroupedExperts "
+                    f"(torch._grouped_mm in bf16), shared experts after them, for every MoE "
+                    f"flavor (qwen3, deepseek_v3, kimi_k2, gpt_oss's router and dispatcher); "
+                    f"memplan's reference loop for an MoE torchtitan's block cannot express "
+                    f"(a shared-expert gate, clamped, every-expert or parallel experts) "
                     f"({_TITAN})"),
             Default("rope_cache", "layer",
                     f"models/common/rope.py RoPE.__init__: register_buffer('cache', ...) in "

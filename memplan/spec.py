@@ -161,6 +161,10 @@ class MoESpec(Record):
         "the routed experts' weights as two 3-D tensors per layer, gate_up_proj (E, 2f, h) and "
         "down_proj (E, h, f) (transformers 5: MixtralExperts, Qwen2MoeExperts, "
         "DeepseekV3NaiveMoe), where separate expert MLPs have 2 or 3 tensors each"))
+    split_gate_up: bool = Field(default=False, description=(
+        "stacked experts with gate and up as two 3-D tensors, three per layer: torchtitan "
+        "0.3.0's GroupedExperts (models/common/moe.py: w1_EFD, w2_EDF, w3_EFD); the same "
+        "bytes, one more tensor (a fused AdamW step each)"))
 
     clamped_swiglu: bool = Field(default=False, description=(
         "the routed experts' SwiGLU clamped, (clamp(up) + 1) * g * sigmoid(1.702 g) with g = "

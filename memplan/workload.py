@@ -437,6 +437,12 @@ class RopeCache(PlainEnum):
              ``RotaryPositionalEmbeddings._rope_init`` and ``build_rope_cache``; every layer
              its own copy, ``_get_clones`` in modules/transformer.py;
              ``memplan.model.attention.max_positions_rope_bytes``)
+    layer-cossin
+             a registered fp32 buffer in every attention layer for the training sequence's
+             positions, cos and sin concatenated over the doubled frequencies: (seq, 2 x
+             rope_dim), twice ``layer``'s (torchtitan 0.3.0's ``CosSinRoPE``, models/common/
+             rope.py ``_precompute_cache``: ``torch.cat([cos, sin], dim=-1)`` of
+             ``torch.cat([freqs, freqs])``; its qwen3 flavors)
     """
 
     FORWARD = "forward"
@@ -444,6 +450,7 @@ class RopeCache(PlainEnum):
     LAYER = "layer"
     MODEL_COMPLEX = "model-complex"
     LAYER_MAX = "layer-max"
+    LAYER_COSSIN = "layer-cossin"
 
 
 class AttentionImpl(PlainEnum):
@@ -616,6 +623,16 @@ class MoeImpl(PlainEnum):
     every    the model's own experts over every token (``MoESpec.every_expert``: Llama 4's
              Llama4TextMoe.forward): the input repeated per expert and scaled by the router's
              scores, two batched matmuls over all of it, the outputs summed per token
+    titan    torchtitan 0.3.0's own block (models/common/moe.py ``MoE.forward``): the
+             ``TokenChoiceTopKRouter`` gate under fp32 autocast, its softmax or sigmoid in
+             fp32, top-k and gather of the scores (route_norm, route_scale); the routing map
+             summed to counts; ``RoutedExperts.forward``: ``LocalTokenDispatcher.dispatch``
+             (models/common/token_dispatcher.py ``_local_reorder``: argsort of the expert ids,
+             the scores sorted, token indices ``// top_k``, ``x_TD[idx]``),
+             ``GroupedExperts.forward`` (``torch._grouped_mm`` in bf16 for w1 and w3, silu
+             times the product, w2, ``.type_as``), ``LocalTokenDispatcher.combine`` (an fp32
+             product with the sorted scores, cast back, ``deterministic_scatter_add`` into
+             zeros); shared experts after them, added (``memplan.model.moe_titan``)
     """
 
     LOOP = "loop"
@@ -623,6 +640,7 @@ class MoeImpl(PlainEnum):
     GROUPED_TOKEN = "grouped-token"
     EVERY = "every"
     PARALLEL = "parallel"
+    TITAN = "titan"
 
     @property
     def grouped(self) -> bool:

@@ -768,6 +768,8 @@ def rope_buffer_bytes(spec: ModelSpec, wl: Workload, num_layers: int) -> int:
         return 2 * wl.seq_len * spec.rope_dim * wl.precision.policy.params.itemsize
     if wl.rope_cache is RopeCache.LAYER_MAX:
         return num_layers * max_positions_rope_bytes(spec)
+    if wl.rope_cache is RopeCache.LAYER_COSSIN:  # fp32 cos and sin over 2 x rope_dim / 2
+        return num_layers * wl.seq_len * 2 * spec.rope_dim * FP32_BYTES
     table = wl.seq_len * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES
     return table if wl.rope_cache is RopeCache.MODEL_COMPLEX else num_layers * table
 

@@ -875,6 +875,35 @@ def moe_terms(terms: list[Term], moe: MoESpec, dm: Dims,
             *flattened, Term("moe.offsets", moe.num_experts * OFFSET_BYTES)]
 
 
+# torchtitan's block's eager terms the compiled forward recomputes (``titan_moe_terms``)
+_TITAN_RECOMPUTED = frozenset({"moe.router_probs", "moe.topk_weights", "moe.expert.act",
+                               "moe.routing_weights", "moe.expert_out"})
+
+
+def titan_moe_terms(terms: list[Term], hidden: int, moe: MoESpec, dm: Dims) -> list[Term]:
+    """torchtitan's MoE block compiled (``MoeImpl.TITAN``: torchtitan/distributed/compile.py
+    ``apply_compile``, each TransformerBlock with fullgraph=True and
+    ``capture_scalar_outputs``), from its eager terms (``memplan.model.moe_titan``), in bf16:
+
+    - the gate's fp32 input and weight copies stay saved (the fp32 mm's operands), and so do
+      its fp32 logits (a matmul's output), T E x 4 B, not the softmax (recomputed from them),
+      nor route_norm's gathered scores and sum, nor the sorted scores (recomputed from the
+      logits, the ids and the argsort, which stay saved with the token index);
+    - the gathered rows, the gate and up grouped matmuls' outputs and their product stay
+      saved (SiLU(gate) recomputed, as in a dense MLP), with the offsets;
+    - the experts' bf16 output (the w2 grouped matmul's, R h x 2 B) is saved where the eager
+      block saves its fp32 copy (the cast recomputed), and the combine's ``zeros_like(x)``
+      (T h e: Inductor keeps the full() the scatter's backward reads as a saved constant).
+
+    Traced: tests/traced/test_compile_trace.py (torch 2.13, torchtitan 0.3.0's Qwen3 MoE
+    block, bf16)."""
+    routed = dm.tokens * moe.top_k
+    kept = [t for t in terms if t.name not in _TITAN_RECOMPUTED]
+    return [Term("moe.router_logits", dm.tokens * moe.num_experts * FP32_BYTES), *kept,
+            Term("moe.expert_out", routed * hidden * dm.e),
+            Term("moe.combine_zeros", dm.rows * hidden * dm.e)]
+
+
 # the grouped matmuls' offsets: ``torch.cumsum(..., dtype=torch.int32)``
 # (transformers integrations/moe.py ``grouped_mm_experts_forward``)
 OFFSET_BYTES = 4

@@ -76,13 +76,15 @@ def _mlp_inputs(spec: ModelSpec) -> tuple[Linear, ...]:
 
 
 _PRE = {"attn": Norm("attn_norm", _attention_inputs), "mlp": Norm("mlp_norm", _mlp_inputs)}
+_MOE_NORM = Norm("mlp_norm", _mlp_inputs, moe=True)  # before an MoE block (norm.moe_output_unread)
 _INPUT = {"attn": StreamInput("attn_input"), "mlp": StreamInput("mlp_input")}
 _POST = {"attn": Norm("attn_post_norm"), "mlp": Norm("mlp_post_norm")}
 MIXERS = (Attention, Mla, Mlp, MoE, DeltaNet, ShortConv, Mamba, ParallelMamba)
 
 
 def _sublayer(placement: NormPlacement, place: str, mixer: Block) -> tuple[Block, ...]:
-    pre = _PRE[place] if placement.pre_norm else _INPUT[place]
+    pre = ((_MOE_NORM if mixer is _MOE else _PRE[place]) if placement.pre_norm
+           else _INPUT[place])
     return (pre, mixer, _POST[place]) if placement.post_norm else (pre, mixer)
 
 

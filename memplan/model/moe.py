@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from memplan.model import compiled, float8_grouped, linear, mlp, moe_parallel
+from memplan.model import compiled, float8_grouped, linear, mlp, moe_parallel, moe_titan
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split
@@ -607,6 +607,8 @@ def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[T
         return every_expert_terms(spec, dm)
     if impl is MoeImpl.PARALLEL:
         return moe_parallel.parallel_terms(spec, dm)
+    if impl is MoeImpl.TITAN:
+        return moe_titan.titan_terms(spec, dm)
     routed = dm.tokens * moe.top_k
     h, e = spec.hidden_size, dm.e
     grouped = impl.grouped
@@ -702,7 +704,8 @@ def _shared_linears(spec: ModelSpec) -> tuple[Linear, ...]:
 def moe_linears(spec: ModelSpec, ep: int) -> tuple[Linear, ...]:
     """The block's projections on one EP rank in registration order: the router, this rank's
     experts (each an MLP, or with ``stacked_experts`` two tensors holding all of them: gate and
-    up, then down), the shared experts and their gate."""
+    up, then down; with ``split_gate_up`` three: gate, down, up), the shared experts and their
+    gate."""
     moe, h = _moe(spec), spec.hidden_size
     local, f = moe.num_experts // ep, moe.expert_ffn_hidden_size
     router, gate = router_linears(spec)
@@ -712,6 +715,9 @@ def moe_linears(spec: ModelSpec, ep: int) -> tuple[Linear, ...]:
         experts: tuple[Linear, ...] = (
             Linear("experts_in", "mlp", h, inputs * f, bias, stack=local),
             Linear("experts_down", "mlp_out", f, h, bias, split=Split.ROW, stack=local))
+        if moe.split_gate_up and inputs == 2:  # GroupedExperts' w1, w2, w3
+            w1 = Linear("experts_gate", "mlp", h, f, bias, stack=local)
+            experts = (w1, experts[1], w1._replace(name="experts_up"))
     else:  # each expert an MLP, its projections named as routed (``_routed``)
         experts = tuple(lin._replace(name=_EXPERT_MLP + lin.name)
                         for lin in mlp.mlp_linears(spec, f)) * local
@@ -871,8 +877,12 @@ class MoE:
     name = "mlp"  # the feed-forward's place in the layer, whichever kind it is
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
+        if wl.moe_impl is MoeImpl.TITAN:
+            moe_titan.check(spec)
         terms = moe_terms(spec, dm, wl.moe_impl)
-        if dm.compiled:  # (compile_rule: grouped experts only)
+        if dm.compiled and wl.moe_impl is MoeImpl.TITAN:  # (compile_rule: bf16 alone)
+            terms = compiled.titan_moe_terms(terms, spec.hidden_size, _moe(spec), dm)
+        elif dm.compiled:  # (compile_rule: grouped experts only)
             terms = compiled.moe_terms(terms, _moe(spec), dm, wl.moe_impl)
         return terms + residual_dropout_mask("mlp", spec, dm)
 
@@ -881,6 +891,9 @@ class MoE:
         stream = dm.rows * spec.hidden_size * dm.e
         saved = total(self.saved(spec, wl, dm, recompute))
         moments = [Moment("mlp", saved, stream)]
+        if dm.compiled and wl.moe_impl is MoeImpl.TITAN:
+            return moments + [Moment("moe_combine", saved,
+                                     stream + moe_titan.compiled_combine_bytes(spec, dm))]
         if dm.compiled:
             # Inductor's kernels make the block's output beside what it saves, no eager
             # working set (traced: tests/traced/test_compile_trace.py, the layer's forward
@@ -888,6 +901,8 @@ class MoE:
             return moments
         if wl.moe_impl is MoeImpl.PARALLEL:
             return moe_parallel.forward_moments(spec, dm, saved)
+        if wl.moe_impl is MoeImpl.TITAN:
+            return moments + [Moment("moe_combine", saved, moe_titan.combine_extra(spec, dm))]
         if wl.moe_impl is MoeImpl.EVERY:
             moments.append(Moment("moe_combine", saved, _every_extra(spec, dm)))
         if wl.moe_impl.grouped:
@@ -922,6 +937,8 @@ class MoE:
             return [Moment("mlp", 0, stream + _every_working(spec, dm))]
         if wl.moe_impl is MoeImpl.PARALLEL:
             return [Moment("mlp", 0, moe_parallel.working_bytes(spec, dm))]
+        if wl.moe_impl is MoeImpl.TITAN:
+            return [Moment("mlp", 0, moe_titan.working_bytes(spec, dm))]
         if wl.moe_impl.grouped:
             # the bf16 working set (``_grouped_moments``, traced on transformers' Mixtral);
             # with torchao's float8 grouped GEMMs their casts at the matmuls (traced on
@@ -954,6 +971,8 @@ class MoE:
         saved = total(self.saved(spec, wl, dm, recompute))
         if wl.moe_impl is MoeImpl.EVERY:
             return _every_backward(spec, dm, saved)
+        if wl.moe_impl is MoeImpl.TITAN:
+            return _titan_backward(spec, dm, saved)
         if wl.moe_impl is MoeImpl.PARALLEL:
             shared, _ = _shared_ran_first(spec, dm)
             return _shared_last_backward(spec, dm, saved) + moe_parallel.backward_moments(
@@ -1048,6 +1067,35 @@ class MoE:
         experts = moe.num_experts * linear.params(mlp.mlp_linears(spec, moe.expert_ffn_hidden_size))
         routed = experts if every else experts * moe.top_k // moe.num_experts
         return 2.0 * shared + 2.0 * routed
+
+
+def _titan_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
+    """torchtitan's MoE backward (``MoeImpl.TITAN``, ``memplan.model.moe_titan``): its shared
+    experts ran last, so their MLP backward runs first (``_shared_last_backward``); then the
+    combine's (``moe_titan.combine_backward_bytes``; the shared terms freed by then), its
+    terms freed after it; then the grouped experts' MLP backward over the R = T k rows in
+    bf16 from their output's gradient (R h, cast back from the fp32 product's), the block's
+    incoming gradient and, with shared experts, their input's waiting
+    (``_shared_ran_first``). Traced: torchtitan's Qwen3 MoE toy with and without a shared
+    expert, bf16 and fp32, each backward peak exact."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    spec = moe_titan.titan_spec(spec)
+    routed = dm.tokens * moe.top_k
+    ex = dm.experts()._replace(e=moe_titan.EXPERT_BYTES)
+    shared, waiting = _shared_ran_first(spec, dm)
+    combine = BackwardMoment("moe_unsort", saved - shared,
+                             moe_titan.compiled_combine_bytes(spec, dm, backward=True)
+                             if dm.compiled else moe_titan.combine_backward_bytes(spec, dm), ())
+    if shared:
+        combine = combine._replace(grads=("moe_shared",))
+    experts = mlp.backward_moments(
+        spec, ex, saved=saved, freed=shared + routed * (h + 1) * FP32_BYTES,
+        run_tokens=routed, ffn=moe.expert_ffn_hidden_size,
+        grad_inputs=2 * routed * h * ex.e + dm.rows * h * e + waiting, fresh=0,
+        out_grad=routed * h * ex.e, in_saved=routed * h * ex.e)
+    experts = [m._replace(transient_bytes=m.transient_bytes + waiting)
+               if m.name in ("mlp", "mlp_act") else m for m in experts]
+    return _shared_last_backward(spec, dm, saved) + [combine] + experts
 
 
 def _split(ep: int | ExpertSplit, t: int) -> tuple[int, int]:

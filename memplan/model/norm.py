@@ -23,7 +23,7 @@ from memplan.model.block import BackwardMoment, Moment
 from memplan.model.linear import Linear, float8_tp_input_bytes, input_copies, shares_input
 from memplan.model.dims import FP32_BYTES, Dims, Term, total
 from memplan.spec import ModelSpec, NormKind, norm_params
-from memplan.workload import BaseQuant, NormImpl, Recompute, TeFp8Recipe, Workload
+from memplan.workload import BaseQuant, MoeImpl, NormImpl, Recompute, TeFp8Recipe, Workload
 
 
 def consumers(prefix: str, spec: ModelSpec, wl: Workload) -> int:
@@ -111,6 +111,16 @@ def _norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims,
 # the projections that read each norm's output (memplan.model.linear's names)
 READERS = {"attn_norm": ("q", "k", "v", "qkv"), "mlp_norm": ("gate", "up", "gate_up"),
            "final_norm": ("head",)}
+
+
+def moe_output_unread(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:
+    """Whether no backward saves the output of the norm before an MoE block: torchtitan's
+    (``MoeImpl.TITAN``, ``memplan.model.moe_titan``) below fp32, where the router's gate saves
+    an fp32 copy of it (models/common/moe.py ``TokenChoiceTopKRouter.forward``: the gate under
+    fp32 autocast), the dispatch's ``x_TD[idx]`` its index alone (models/common/
+    token_dispatcher.py ``_local_reorder``) and no shared expert reads it."""
+    return (wl.moe_impl is MoeImpl.TITAN and dm.e < FP32_BYTES and spec.moe is not None
+            and not spec.moe.num_shared_experts)
 
 
 def output_kept(prefix: str, dm: Dims) -> bool:
@@ -208,19 +218,22 @@ class Norm:
     """A norm block of a layer, named by its place (``attn_norm``, ``mlp_norm`` before the
     mixers; ``attn_post_norm``, ``mlp_post_norm`` on their outputs)."""
 
-    __slots__ = ("name", "readers", "copies")
+    __slots__ = ("name", "readers", "copies", "moe")
 
     def __init__(self, name: str,
                  readers: Callable[[ModelSpec], Sequence[Linear]] | None = None,
-                 copies: int | None = None) -> None:
+                 copies: int | None = None, moe: bool = False) -> None:
         self.name = name
         self.readers = readers  # the projections reading its output (compiled float8)
         # the linears reading its output where not the prefix's (``consumers``): a mixer
         # other than attention (LFM2's short convolution: in_proj alone)
         self.copies = copies
+        self.moe = moe  # the norm before an MoE block (``moe_output_unread``)
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
         terms = norm_terms(self.name, spec, wl, dm, self.copies)
+        if self.moe and moe_output_unread(spec, wl, dm):
+            return [t for t in terms if not t.name.endswith(".output")]
         if (self.readers is not None and compiled.float8_recomputed(self.readers(spec), dm)
                 and not compiled.float8_tp_gathered_kept(dm, recompute)):
             return [t for t in terms if not t.name.endswith(".output")]  # recomputed
@@ -229,6 +242,10 @@ class Norm:
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                         recompute: Recompute) -> list[Moment]:
         own = total(norm_terms(self.name, spec, wl, dm, self.copies))
+        if self.moe and moe_output_unread(spec, wl, dm):
+            # its output alive beside what it saves, not saved (read to the block's end:
+            # ``memplan.model.moe_titan``'s moments count it there)
+            own = total(self.saved(spec, wl, dm, recompute))
         if is_post(self.name):
             # the mixer's output it reads, then its own output beside that input before the
             # residual add frees both

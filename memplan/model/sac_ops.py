@@ -324,6 +324,9 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          "moe_impl parallel (its op counts follow the routing: one F.linear per expert "
          "over its split; modelled for transformers' grouped experts, moe_impl grouped, "
          "and the loop)"),
+        (wl.moe_impl is MoeImpl.TITAN,
+         "moe_impl titan (torchtitan's MoE block, models/common/moe.py: its ops are not "
+         "named one by one yet; modelled under recompute none and full)"),
         (wl.moe_impl is MoeImpl.LOOP and loop_refusal(spec, wl) is not None,
          loop_refusal(spec, wl) or ""),
         (moe.router_fp32 and not moe.shared_experts_last and wl.moe_impl is not MoeImpl.LOOP,

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from memplan.model import step_in_backward
 from memplan.model.adapters import adapter_bytes, adapter_policy
-from memplan.model import linear, te_fp8
+from memplan.model import linear, moe_titan, te_fp8
 from memplan.model.attention import attention_linears, rope_buffer_bytes, windowed
 from memplan.model.dims import Dims, exact_ratio
 from memplan.model.falcon_h1 import mup_buffer_bytes
@@ -293,7 +293,8 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     buckets = ((st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0)
                + (shard.bucket_bytes if shard.bucket_resident else 0) + shard.resident_bytes)
     buffers = (rope_buffer_bytes(spec, wl, len(layers)) + te_kept
-               + mup_buffer_bytes(spec, wl, len(layers)))
+               + mup_buffer_bytes(spec, wl, len(layers))
+               + moe_titan.buffer_bytes(spec, wl, layers))
     persistent = (ddp and par.grad_buffers is GradBuffers.VIEW
                   or shard.queued_whole or shard.bucket_resident)
     main_grads, fresh = _made_grads(par, wl, shard, persistent)

@@ -101,6 +101,8 @@ def _layer(config: dict, dtype_name: str, batch: int, seq: int):
     torch._dynamo.reset()
     torch.manual_seed(0)
     dtype = getattr(torch, dtype_name)
+    if "torchtitan_moe" in config:
+        return _titan_moe_block(config["torchtitan_moe"], dtype, batch, seq)
     if "torchtitan" in config and config["torchtitan"].get("tp", 1) > 1:
         return _tp_block(config["torchtitan"], dtype, batch, seq)
     if "torchtitan" in config:
@@ -133,6 +135,28 @@ def _layer(config: dict, dtype_name: str, batch: int, seq: int):
         return out[0] if isinstance(out, tuple) else out
 
     return layer, run, x
+
+
+def _titan_moe_block(fields: dict, dtype, batch: int, seq: int):
+    """torchtitan's Qwen3 MoE block (``memplan.profile.frameworks.torchtitan_moe_config``'s
+    keywords, routing held balanced) in ``dtype``, its buffers fp32 as ``init_states`` makes
+    them, its router's gate as CUDA's fp32 autocast runs it (``_titan_router_fp32``), traced
+    with ``capture_scalar_outputs`` as torchtitan's ``apply_compile`` sets it."""
+    import torch
+
+    from memplan.profile.frameworks import _titan_router_fp32, torchtitan_moe_config
+
+    torch._dynamo.config.capture_scalar_outputs = True
+    cfg = torchtitan_moe_config(**fields, seq_len=seq)
+    layer = cfg.layers[0].build().to(dtype)
+    for name, buffer in layer.named_buffers():
+        if name.startswith("moe."):  # expert_bias_E, tokens_per_expert_E: fp32
+            buffer.data = buffer.data.float()
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.02)
+    _titan_router_fp32(layer)
+    x = torch.randn(batch, seq, cfg.dim, dtype=dtype, requires_grad=True)
+    return layer, (lambda h: layer(h, None, None)), x
 
 
 def _tp_block(fields: dict, dtype, batch: int, seq: int):

@@ -694,6 +694,88 @@ def _ffn_hidden(ffn) -> int:
     raise MemplanError("torchtitan feed-forward config: no hidden width found")
 
 
+def torchtitan_moe_config(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int,
+                          head_dim: int, vocab_size: int, seq_len: int, moe_hidden_dim: int,
+                          num_experts: int, top_k: int, shared_hidden_dim: int = 0):
+    """A ``Qwen3Model.Config`` of MoE blocks built the way ``torchtitan.models.qwen3`` builds
+    its MoE flavors (``_build_qwen3_moe_layers``: softmax router with route_norm, GroupedExperts,
+    the local token dispatcher, CosSinRoPE) with the SDPA attention, RoPE's cache cut to the
+    training sequence, routing held balanced by the router's own ``_debug_force_load_balance``
+    (round-robin expert ids, ``_debug_force_load_balance_routing``: every expert T k / E rows,
+    a deterministic trace). ``shared_hidden_dim``: a shared expert (torchtitan's
+    ``FeedForward`` of that width, ``make_ffn_config``, as DeepSeek-V3's flavors add it),
+    which ``MoE.forward`` runs after the routed experts."""
+    from torchtitan.models import qwen3
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_ffn_config
+
+    cfg = qwen3.Qwen3Model.Config(
+        vocab_size=vocab_size, dim=dim, norm=qwen3._qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim,
+                                        param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab_size,
+                              param_init=qwen3._LINEAR_INIT),
+        layers=qwen3._build_qwen3_moe_layers(
+            n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
+            head_dim=head_dim, moe_hidden_dim=moe_hidden_dim, num_experts=num_experts,
+            top_k=top_k, attn_backend="flex", moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=seq_len, theta=1000000.0)))
+    for layer in cfg.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        layer.moe.router._debug_force_load_balance = True
+        if shared_hidden_dim:
+            layer.moe.shared_experts = make_ffn_config(
+                dim=dim, hidden_dim=shared_hidden_dim, w1_param_init=qwen3._LINEAR_INIT,
+                w2w3_param_init=qwen3._LINEAR_INIT)
+    return cfg
+
+
+def torchtitan_moe_spec(cfg, name: str) -> ModelSpec:
+    """memplan's spec of a torchtitan Qwen3 MoE config (``torchtitan_moe_config``; Qwen3-MoE's
+    field names): its stacked GroupedExperts, a shared expert run after them
+    (``MoE.forward``: ``out_BLD + shared_out_BLD``) where the config has one, and the top-k
+    weights left in the router's fp32 (``TokenChoiceTopKRouter.forward`` casts nothing)."""
+    attn, moe = cfg.layers[0].attention, cfg.layers[0].moe
+    experts = moe.routed_experts.inner_experts
+    data = {"model_type": "qwen3_moe", "hidden_size": cfg.dim,
+            "num_hidden_layers": len(cfg.layers), "num_attention_heads": attn.n_heads,
+            "num_key_value_heads": attn.n_kv_heads, "head_dim": attn.head_dim,
+            "moe_intermediate_size": experts.hidden_dim, "intermediate_size": experts.hidden_dim,
+            "num_experts": experts.num_experts, "num_experts_per_tok": moe.router.top_k,
+            "norm_topk_prob": moe.router.route_norm, "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": attn.rope.max_seq_len, "hidden_act": "silu",
+            "tie_word_embeddings": cfg.enable_weight_tying}
+    spec = spec_from_hf_dict(data, f"torchtitan {name}", name)
+    update: dict[str, Any] = {"router_weights_cast": False, "split_gate_up": True}
+    if moe.shared_experts is not None:
+        update |= {"num_shared_experts": 1, "shared_experts_last": True,
+                   "shared_expert_ffn_hidden_size": moe.shared_experts.w1.out_features}
+    # FusedQKVLinear (models/common/attention.py; make_gqa_config's fuse_qkv): one wqkv
+    qkv = getattr(attn, "qkv_linear", None)
+    fused = qkv is None or type(qkv).__qualname__.startswith("FusedQKVLinear")
+    return spec.model_copy(update={"moe": spec.moe.model_copy(update=update),
+                                   "fused_qkv": fused})
+
+
+def _titan_router_fp32(model) -> None:
+    """Each MoE router's gate as CUDA runs it: ``TokenChoiceTopKRouter.forward`` calls it
+    under ``torch.autocast(dtype=torch.float32)``, which CUDA's autocast honours (linear
+    casts its input and weight to fp32, both saved) and CPU's disables with a warning
+    (bf16 or fp16 only), so on CPU the gate runs as CUDA's autocast would run it."""
+    import torch.nn.functional as F
+
+    for name, module in model.named_modules():
+        if name.endswith("router.gate"):
+            gate = module
+
+            def forward(x, gate=gate):
+                bias = None if gate.bias is None else gate.bias.float()
+                return F.linear(x.float(), gate.weight.float(), bias)
+
+            gate.forward = forward
+
+
 def build_torchtitan(case: FrameworkCase) -> Built:
     """torchtitan's Llama3 (``Llama3Model``), parallelised by its own ``parallelize_llama``
     (FSDP2 through ``apply_fsdp_to_decoder``: the embedding, [final norm, head] and each block a
@@ -722,12 +804,18 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.llama3 import parallelize_llama
+    from torchtitan.models.qwen3 import parallelize_qwen3
 
     rec = recipe(case.recipe)
     if rec.name not in ("fp32", "fsdp-bf16"):
         raise MemplanError("torchtitan: recipe fp32 or fsdp-bf16 (fp32 shards, its default)")
-    cfg = torchtitan_config(**case.config, seq_len=case.seq_len)
-    spec = torchtitan_spec(cfg, case.name)
+    moe = "num_experts" in case.config  # torchtitan's Qwen3 MoE flavour
+    if moe:
+        cfg = torchtitan_moe_config(**case.config, seq_len=case.seq_len)
+        spec = torchtitan_moe_spec(cfg, case.name)
+    else:
+        cfg = torchtitan_config(**case.config, seq_len=case.seq_len)
+        spec = torchtitan_spec(cfg, case.name)
     sp = case.options.get("sp", True)
     float8 = case.options.get("float8", "none")
     if case.tp > 1 and float8 == "rowwise":
@@ -745,6 +833,8 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     with torch.device("cpu"):
         model = cfg.build()
     model.init_states(buffer_device=torch.device("cpu"))
+    if moe:
+        _titan_router_fp32(model)
     if float8 != "none" and not (case.tp > 1 and float8 == "rowwise"):
         _float8(model, float8, case.options.get("float8_all_gather", False))
     if case.tp > 1 and float8 == "tensorwise":
@@ -758,6 +848,10 @@ def build_torchtitan(case: FrameworkCase) -> Built:
         _emitted_block_sac(model, spec, rec.name, case.micro_batch_size, case.seq_len, save)
     ac_config = _torchtitan_ac("none" if every is not None or ac == "ops" else ac)
     precision = "bfloat16" if rec.name == "fsdp-bf16" else "float32"
+    # option ``compile``: compile.components "model", each block compiled whole
+    # (distributed/compile.py apply_compile, fullgraph, capture_scalar_outputs)
+    model_compile = (CompileConfig(enable=True, components=["model"])
+                     if case.options.get("compile") else CompileConfig())
     training = TrainingConfig(local_batch_size=case.micro_batch_size, seq_len=case.seq_len,
                               mixed_precision_param=precision)
     # "partial_dtensor": DTensor for model-parallel axes only, FSDP2 on plain modules (the
@@ -773,9 +867,9 @@ def build_torchtitan(case: FrameworkCase) -> Built:
         dims.build_mesh()
         sac = _sac_saves_cpu_flash() if ac == "selective" else contextlib.nullcontext()
         with sac:
-            model = parallelize_llama(model, parallel_dims=dims, training=training,
-                                      parallelism=parallelism, compile_config=CompileConfig(),
-                                      ac_config=ac_config, dump_folder="/tmp")
+            model = (parallelize_qwen3 if moe else parallelize_llama)(
+                model, parallel_dims=dims, training=training, parallelism=parallelism,
+                compile_config=model_compile, ac_config=ac_config, dump_folder="/tmp")
     finally:
         pd.device_type = device_type
     params = [p for p in model.parameters() if p.requires_grad]
@@ -821,6 +915,8 @@ def build_torchtitan(case: FrameworkCase) -> Built:
                     recompute="full" if every is not None else ac, keep_grads=not set_to_none)
     if every is not None:
         workload["recompute_every"] = every
+    if moe:  # the qwen3 flavors' CosSinRoPE (models/qwen3/__init__.py)
+        workload["rope_cache"] = "layer-cossin"
     if float8 != "none":
         workload["float8"] = float8
     if case.options.get("float8_all_gather", False):
@@ -831,6 +927,8 @@ def build_torchtitan(case: FrameworkCase) -> Built:
         workload["loss_chunks"] = chunks
     if compiled is not None:
         workload["compile_loss"] = True
+    if case.options.get("compile"):
+        workload["compile"] = True
     from memplan.profile.distributed import _follow_fsdp_storage
 
     state: dict[str, Any] = {}

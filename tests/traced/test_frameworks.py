@@ -52,6 +52,13 @@ MIXTRAL_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                    vocab_size=512)
 TITAN_TOY = dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000)
+# torchtitan's Qwen3 MoE flavour (frameworks.torchtitan_moe_config; its spec's GroupedExperts
+# w1, w2, w3 three tensors, MoESpec.split_gate_up): 4 experts, top-2, routing
+# held balanced by the router's _debug_force_load_balance; widths multiples of 8 (CPU's
+# torch._grouped_mm wants 16-byte strides)
+TITAN_MOE_TOY = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                     vocab_size=512, moe_hidden_dim=64, num_experts=4, top_k=2)
+TITAN_MOE_SHARED = TITAN_MOE_TOY | {"shared_hidden_dim": 96}
 # the newer families (memplan.hf.families), cut from their published configs; the special
 # token ids beyond the cut vocabularies dropped
 NO_IDS = dict(pad_token_id=None)
@@ -403,6 +410,28 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=1), None),
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=1,
                    options={"ac": "full"}), None),
+    # torchtitan's own MoE block (moe_impl titan, the preset's default): the Qwen3 MoE
+    # flavour on one rank, saved activations and phase peaks exact, bf16 (FSDP2's
+    # MixedPrecisionPolicy) and fp32 (the experts' bf16 casts saved), with and without a
+    # shared expert, with and without torchtitan's full AC
+    (FrameworkCase("torchtitan", "qwen3-moe-toy", TITAN_MOE_TOY, "fsdp-bf16", 2, 64, dp=1),
+     None),
+    (FrameworkCase("torchtitan", "qwen3-moe-toy", TITAN_MOE_TOY, "fsdp-bf16", 2, 64, dp=1,
+                   options={"ac": "full"}), None),
+    (FrameworkCase("torchtitan", "qwen3-moe-toy", TITAN_MOE_TOY, "fp32", 2, 64, dp=1),
+     None),
+    (FrameworkCase("torchtitan", "qwen3-moe-toy", TITAN_MOE_TOY, "fp32", 2, 64, dp=1,
+                   options={"ac": "full"}), None),
+    (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fsdp-bf16", 2, 64,
+                   dp=1), None),
+    (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fsdp-bf16", 2, 64,
+                   dp=1, options={"ac": "full"}), None),
+    # each block compiled whole (compile.components "model": apply_compile, fullgraph):
+    # memplan.model.compiled.titan_moe_terms; saved activations +4,096 B (+0.27%, 2,048 a
+    # layer: the single block's partition, the same graph, is exact in
+    # tests/traced/test_compile_trace.py; not located)
+    (FrameworkCase("torchtitan", "qwen3-moe-toy", TITAN_MOE_TOY, "fsdp-bf16", 2, 64, dp=1,
+                   options={"compile": True}), None),
     # torchao's Float8Linear on every block linear (torchtitan's float8 converter: widths
     # multiples of 16, the output head filtered), eager: the casts' fp32 working sets at each
     # projection of forward and backward (torchao 0.18.0; skipped without torchao)

@@ -1,0 +1,236 @@
+"""torchtitan's own mixture-of-experts block (``MoeImpl.TITAN``; torchtitan 0.3.0,
+models/common/moe.py and models/common/token_dispatcher.py), with expert parallelism off (the
+local token dispatcher). Routing is taken as balanced: the rank's experts see R = T*k rows.
+Read by ``memplan.model.moe.MoE``.
+
+What runs (``MoE.forward``): ``TokenChoiceTopKRouter.forward``, its gate under
+``torch.autocast(dtype=torch.float32)`` (on CUDA: the linear on fp32 copies of its input and
+weight, fp32 logits), the softmax (or sigmoid) in fp32, the top-k of the scores (plus the
+load-balancing ``expert_bias_E``, no gradient), ``scores.gather`` of the chosen experts,
+with ``route_norm`` divided by their sum (+1e-20) and scaled by ``route_scale``; a bool routing
+map (``zeros_like(...).scatter_``) summed to the per-expert counts; ``RoutedExperts.forward``
+-> ``LocalTokenDispatcher.dispatch`` (``_local_reorder``: a stable argsort of the expert ids,
+the scores gathered in that order, the token indices ``// top_k``, ``x_TD[idx]``) ->
+``GroupedExperts.forward`` (``torch._grouped_mm`` over bf16 casts for w1 and w3, silu times
+the product, w2, ``.type_as(x)``; the int32 offsets saved by each grouped matmul) ->
+``LocalTokenDispatcher.combine`` (an fp32 copy of the experts' output times the sorted
+scores, cast back, ``deterministic_scatter_add`` into ``zeros_like(x)``, which saves the
+expanded token index); shared experts (``FeedForward``: w2(silu(w1(x)) * w3(x))) after the
+routed ones, their output added.
+
+What it saves, per MoE layer (traced: tests/traced/test_frameworks.py, the qwen3 MoE toy):
+the gate's fp32 input and weight copies (below fp32), the fp32 scores (softmax's or sigmoid's
+output), the chosen experts' ids (gather's index), with ``route_norm`` the gathered scores and
+their sum (the division's operands; the renormalised weights are ``route_norm``'s whatever
+``route_scale``), the argsort (the sorted scores' index) and the token index (``x_TD[idx]``'s
+and the scatter's), the gathered rows, the experts' gate, activation, up and product (all
+bf16: the grouped matmuls and silu), the offsets, the experts' output in fp32 and the sorted
+scores (their product's operands); the shared experts' MLP terms. The ffn norm's output is
+saved by no one when the router reads an fp32 copy and no shared expert reads it
+(``memplan.model.norm.moe_output_unread``).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from memplan.errors import LayoutError
+from memplan.model import mlp
+from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
+from memplan.spec import ModelSpec, MoESpec
+from memplan.units import DType
+from memplan.workload import MoeImpl, Workload
+
+# GroupedExperts.forward casts its input and weights with ``.bfloat16()`` whatever the model's
+# dtype: the grouped matmuls, silu and the product run in bf16
+EXPERT_BYTES = DType.BF16.itemsize
+# the grouped matmuls' ``offs``: torch.cumsum(..., dtype=torch.int32), one per local expert
+OFFSET_BYTES = 4
+
+
+def _moe(spec: ModelSpec) -> MoESpec:
+    assert spec.moe is not None, "an MoE block needs spec.moe"
+    return spec.moe
+
+
+def refusal(spec: ModelSpec) -> str | None:
+    """What torchtitan's MoE block cannot run of the spec's, or None: a shared-expert gate
+    (``MoE.forward`` adds the shared output as it is), GPT-OSS's clamped experts (its own
+    GptOssGroupedExperts), Llama 4's every-expert MoE, Granite's parallel experts."""
+    moe = _moe(spec)
+    for field, why in (("shared_expert_gate", "no sigmoid gate on its shared experts"),
+                       ("clamped_swiglu", "GroupedExperts' plain SwiGLU"),
+                       ("every_expert", "top-k routing"),
+                       ("parallel_experts", "stacked GroupedExperts")):
+        if getattr(moe, field):
+            return f"moe_impl titan with moe.{field} (torchtitan 0.3.0's MoE: {why})"
+    if not spec.mlp.gated:
+        return "moe_impl titan with ungated experts (GroupedExperts: silu(w1 x) * w3 x)"
+    return None
+
+
+def check(spec: ModelSpec) -> None:
+    """Refuse, with a ``LayoutError`` naming the field, what ``refusal`` finds."""
+    why = refusal(spec)
+    if why is not None:
+        raise LayoutError("moe_impl titan runs torchtitan's MoE block", why)
+
+
+@lru_cache(maxsize=256)
+def titan_spec(spec: ModelSpec) -> ModelSpec:
+    """The spec as torchtitan's block runs it (``MoE.forward``): an fp32 gate (its autocast
+    region), stacked experts, shared experts after the routed ones, the top-k weights left
+    in fp32 (no cast, no top-k softmax, the logits held by no one)."""
+    moe = _moe(spec).model_copy(update={
+        "router_fp32": True, "router_weight_fp32": False, "router_weights_cast": False,
+        "router_topk_softmax": False, "router_logits_fp32": False,
+        "router_logits_held": False, "router_norm_clamped": False, "stacked_experts": True,
+        "shared_experts_last": bool(_moe(spec).num_shared_experts)})
+    return spec.model_copy(update={"moe": moe})
+
+
+def _route_norm(spec: ModelSpec) -> bool:
+    """Whether the router renormalises its top-k scores (``route_norm``; memplan's MoESpec has
+    no such field): on, as torchtitan 0.3.0's qwen3 MoE, gpt_oss, deepseek_v3 671B and
+    kimi_k2 flavors set it (models/*/__init__.py); deepseek_v3's 16B and smaller leave it off,
+    which saves T (k + 1) x 4 B less per layer than counted here."""
+    return True
+
+
+def _casts(dm: Dims) -> int:
+    """How many bf16 copies of the gathered rows the grouped matmuls save: one where the
+    rows are bf16 already (``x_RD.bfloat16()`` returns the tensor itself), two where they are
+    not (fp32 weights, with or without autocast: w1's and w3's ``x_RD.bfloat16()`` are two
+    calls, two copies)."""
+    return 2 if dm.e >= FP32_BYTES or dm.autocast else 1
+
+
+def _weight_casts(spec: ModelSpec, dm: Dims) -> int:
+    """The bf16 copies of w1, w3 and w2 the grouped matmuls save where the weights are not
+    bf16 (fp32 weights: ``w1_EFD.bfloat16()``, a new tensor each): 3 x (E / ep) f h x 2 B
+    over the rank's experts, f split by the experts' TP; 0 with bf16 weights (FSDP2's
+    MixedPrecisionPolicy gathers them in bf16: the casts return them)."""
+    moe = _moe(spec)
+    if _casts(dm) == 1:
+        return 0
+    f = moe.expert_ffn_hidden_size // dm.experts().tp
+    return 3 * moe.num_experts // dm.ep * f * spec.hidden_size * EXPERT_BYTES
+
+
+def titan_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
+    """torchtitan's MoE block's saved terms for one micro-batch on one rank (module
+    docstring), R = T k routed rows, experts in bf16 (``EXPERT_BYTES``)."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    routed = dm.tokens * moe.top_k
+    ex = dm.experts()._replace(e=EXPERT_BYTES)
+    terms = []
+    if e < FP32_BYTES:  # F.linear on CUDA autocast's fp32 casts of the input and the weight
+        terms += [Term("moe.router_input_fp32", dm.tokens * h * FP32_BYTES),
+                  Term("moe.router_weight_fp32", moe.num_experts * h * FP32_BYTES)]
+    norm = routed * FP32_BYTES + dm.tokens * FP32_BYTES if _route_norm(spec) else 0
+    terms += [Term("moe.router_probs", dm.tokens * moe.num_experts * FP32_BYTES),
+              Term("moe.topk_indices", routed * INDEX_BYTES),
+              Term("moe.topk_weights", norm),
+              Term("moe.sort_index", routed * INDEX_BYTES),
+              Term("moe.token_index", routed * INDEX_BYTES),
+              Term("moe.dispatched", routed * h * EXPERT_BYTES * _casts(dm)),
+              Term("moe.expert_weights_bf16", _weight_casts(spec, dm)),
+              *mlp.mlp_terms("moe.expert", spec, ex, moe.expert_ffn_hidden_size, routed),
+              Term("moe.offsets", moe.num_experts // dm.ep * OFFSET_BYTES),
+              Term("moe.expert_out", routed * h * FP32_BYTES),
+              Term("moe.routing_weights", routed * FP32_BYTES)]
+    if moe.num_shared_experts:
+        ffn = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
+        terms += mlp.mlp_terms("moe.shared", spec, dm, ffn, dm.tokens)
+    return terms
+
+
+
+def _bound_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """What ``MoE.forward`` binds to its end beside the saved terms: the norm's output where
+    no one saves it (``memplan.model.norm.moe_output_unread``; the block's argument), the
+    bool routing map (T E x 1 B) and the per-expert counts (E int64), the scaled top-k scores
+    (``topk_scores_BLK * route_scale``, T k fp32, a new tensor the dispatch reads)."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    unread = dm.rows * h * e if e < FP32_BYTES and not moe.num_shared_experts else 0
+    return (unread + dm.tokens * moe.num_experts + moe.num_experts * INDEX_BYTES
+            + dm.tokens * moe.top_k * FP32_BYTES)
+
+
+def combine_extra(spec: ModelSpec, dm: Dims) -> int:
+    """Beside the saved terms at ``LocalTokenDispatcher.combine``'s largest moment: the bound
+    tensors (``_bound_bytes``), the experts' output (``.type_as(x)``, R h e, bound in
+    ``RoutedExperts.forward``; in fp32 it is the saved fp32 copy itself), the gathered rows
+    where they are not bf16 (``routed_input_RD``, R h e, bound there too; their bf16 casts are
+    what is saved), ``zeros_like(x)`` (T h e, combine's first tensor) and the larger of: the
+    fp32 product with the scores and its cast back (R h x 4, and R h e below fp32), or the
+    cast (in fp32 the product itself) and the scatter's output (R h e + T h e). Traced:
+    torchtitan's Qwen3
+    MoE toy, bf16 and fp32 (the scatter the fp32 forward's peak)."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    routed = dm.tokens * moe.top_k
+    out = routed * h * e if e < FP32_BYTES else 0
+    rows = routed * h * e if _casts(dm) == 2 else 0
+    cast = routed * h * e
+    zeros = dm.rows * h * e  # combine's first statement: out_TD = torch.zeros_like(x_TD)
+    return _bound_bytes(spec, dm) + out + rows + zeros + max(
+        routed * h * FP32_BYTES + (cast if e < FP32_BYTES else 0), cast + dm.rows * h * e)
+
+
+def combine_backward_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """The combine's backward, the block's first (traced): the scatter's (``torch.gather``
+    of the output's gradient, R h e), the cast's (its fp32 copy, R h x 4, the gather freed),
+    the product's (both factors' gradients, R h x 4 each; the scores' summed over h,
+    R x 4)."""
+    routed, h = dm.tokens * _moe(spec).top_k, spec.hidden_size
+    return 3 * routed * h * FP32_BYTES + routed * FP32_BYTES
+
+
+def buffer_bytes(spec: ModelSpec, wl: Workload, layers: list[int]) -> int:
+    """The buffers torchtitan's block registers (``MoE.__init__``), device memory in every
+    phase: ``tokens_per_expert_E`` (E fp32, non-persistent) and, with its default
+    ``load_balance_coeff`` (1e-3), ``expert_bias_E`` (E fp32), on each of the stage's MoE
+    ``layers``, every expert's whatever ep (their counts are global)."""
+    if spec.moe is None or wl.moe_impl is not MoeImpl.TITAN:
+        return 0
+    moe_layers = sum(1 for i in layers if spec.is_moe_layer(i))
+    return moe_layers * 2 * spec.moe.num_experts * FP32_BYTES
+
+
+def working_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """The block in a checkpointed forward (nothing saved), at its largest moment beyond the
+    layer's own tensors: the routing's tensors (the fp32 scores, the expert ids, the scaled
+    top-k scores, the sorted scores and the token index, the routing map, counts and
+    offsets), the gathered rows (R h e, in the block's dtype) and the
+    experts' output (R h e), with the larger of: the grouped matmuls' (at w3's: a bf16 cast
+    of the rows where they are not bf16, the activation and the up projection's output, R f
+    x 2 B each), the combine's zeros (T h e) with its fp32 copy of the output and their product with the
+    scores (R h x 4 each; in fp32 the product alone) or with the scatter's (the cast back,
+    R h e, and the output, T h e). Traced: torchtitan's Qwen3 MoE toy under full
+    recompute, bf16 and fp32 (the scatter the forward's peak)."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    routed, f = dm.tokens * moe.top_k, moe.expert_ffn_hidden_size // dm.experts().tp
+    routing = (dm.tokens * moe.num_experts * (FP32_BYTES + 1)
+               + dm.tokens * moe.top_k * (INDEX_BYTES + FP32_BYTES)
+               + routed * (FP32_BYTES + INDEX_BYTES)
+               + moe.num_experts * INDEX_BYTES + moe.num_experts // dm.ep * OFFSET_BYTES)
+    rows = routed * h * e
+    cast = routed * h * EXPERT_BYTES if _casts(dm) == 2 else 0
+    experts = cast + 2 * routed * f * EXPERT_BYTES
+    product = routed * h * FP32_BYTES * (2 if e < FP32_BYTES else 1)
+    scatter = routed * h * e + dm.rows * h * e
+    zeros = dm.rows * h * e  # combine's first statement: out_TD = torch.zeros_like(x_TD)
+    return routing + rows + max(experts, rows + zeros + max(product, scatter))
+
+
+def compiled_combine_bytes(spec: ModelSpec, dm: Dims, backward: bool = False) -> int:
+    """The compiled block's combine (``memplan.model.compiled.titan_moe_terms``), beside its
+    saved set: in forward, beside the scatter's output (stream-sized, the walk's), the
+    weighted rows cast back (Inductor fuses the fp32 product and the cast: R h e) and the
+    sorted scores it recomputed (R x 4); in backward, where it starts, the gathered gradient
+    of the weighted rows and the experts' output's (R h e each, the fp32 product's kernel
+    fused) and the scores' (R x 4). Traced: tests/traced/test_compile_trace.py, torchtitan's
+    Qwen3 MoE block in bf16 (the forward exact; the backward 8,048 B under: Inductor's
+    recomputed router tensors there, T x E and T x k in fp32, not modelled)."""
+    routed, h = dm.tokens * _moe(spec).top_k, spec.hidden_size
+    return (2 if backward else 1) * routed * h * dm.e + routed * FP32_BYTES

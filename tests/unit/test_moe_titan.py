@@ -1,0 +1,147 @@
+"""torchtitan 0.3.0's own MoE block (``moe_impl titan``, the torchtitan preset's default:
+models/common/moe.py ``MoE.forward``, models/common/token_dispatcher.py
+``LocalTokenDispatcher``), bytes derived by hand.
+
+tiny-moe (tests/unit/test_moe_recompute.py's): h 64, 4 stacked SwiGLU experts of f 96, top-2;
+seq 128 and micro-batch 2: T = 256 tokens, R = T*k = 512 routed rows; E = 4.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from memplan.api import make_layout, make_workload
+from memplan.errors import LayoutError
+from memplan.model.dims import Dims
+from memplan.model.layer import layer_blocks
+from memplan.model.moe import MoE
+from memplan.spec import ModelSpec, MoESpec, load_model
+
+TINY_MOE = dict(num_experts=4, top_k=2, expert_ffn_hidden_size=96, stacked_experts=True)
+
+
+def _setup(precision: str = "bf16-pure", recompute: str | None = None, **moe):
+    spec = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-moe",
+                                     "moe": MoESpec(**(TINY_MOE | moe)).model_dump()})
+    extra = {"recompute": recompute} if recompute else {}
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, moe_impl="titan",
+                       precision=precision, **extra)
+    return spec, wl, Dims.of(spec, make_layout(1), wl)
+
+
+def test_saved_terms_in_bf16() -> None:
+    """In bf16 (e = 2), per MoE layer: the gate's fp32 copies of its input (T h x 4 = 65,536)
+    and weight (E h x 4 = 1,024); the fp32 softmax (T E x 4 = 4,096); the chosen experts' ids
+    (T k x 8 = 4,096); route_norm's division operands, the gathered scores and their sum
+    (R x 4 + T x 4 = 3,072); the argsort and the token index (R x 8 = 4,096 each); the
+    gathered rows (R h x 2 = 65,536); the experts' gate, activation, up and product (4 x R f
+    x 2 = 393,216); the grouped matmuls' int32 offsets (E x 4 = 16); the experts' output in
+    fp32 and the sorted scores, their product's operands (R h x 4 = 131,072; R x 4 =
+    2,048): 677,904. The ffn norm's output is saved by no one (its T h x 2 = 32,768 not
+    counted)."""
+    spec, wl, dm = _setup()
+    saved = {t.name: t.size_bytes for t in MoE().saved(spec, wl, dm, wl.recompute)}
+    assert saved["moe.router_input_fp32"] == 65_536 and saved["moe.expert_out"] == 131_072
+    assert saved["moe.offsets"] == 16 and saved["moe.expert_weights_bf16"] == 0
+    assert sum(saved.values()) == 677_904
+    norm = layer_blocks(spec, True)[2]
+    names = {t.name for t in norm.saved(spec, wl, dm, wl.recompute)}
+    assert norm.name == "mlp_norm" and "mlp_norm.output" not in names
+
+
+def test_saved_terms_in_fp32() -> None:
+    """In fp32 (e = 4) the gate reads the norm's output itself (saved, as a dense layer's):
+    no fp32 copies; GroupedExperts' ``.bfloat16()`` casts are new tensors: two of the rows
+    (w1's and w3's, 2 x 65,536) and the three weights' (3 x E f h x 2 = 147,456); the rest
+    as in bf16: 677,904 - 66,560 + 65,536 + 147,456 = 824,336."""
+    spec, wl, dm = _setup("fp32")
+    saved = {t.name: t.size_bytes for t in MoE().saved(spec, wl, dm, wl.recompute)}
+    assert "moe.router_input_fp32" not in saved
+    assert saved["moe.dispatched"] == 131_072 and saved["moe.expert_weights_bf16"] == 147_456
+    assert sum(saved.values()) == 824_336
+
+
+def test_checkpointed_forward_peaks_at_the_combine() -> None:
+    """Under full recompute in bf16: the routing's tensors (T E x 5 = 5,120 scores and map,
+    T k x 12 = 6,144 ids and scaled scores, R x 12 = 6,144 sorted scores and token index,
+    E x 8 + E x 4 = 48 counts and offsets: 17,456), the gathered rows and the experts' output
+    (R h x 2 = 65,536 each), the combine's zeros (T h x 2 = 32,768) and its fp32 copy of the
+    output with their product (2 x R h x 4 = 262,144; the scatter's 65,536 + 32,768 is
+    smaller): 443,440."""
+    spec, wl, dm = _setup(recompute="full")
+    (moment,) = MoE().working_set(spec, wl, dm)
+    assert moment.transient_bytes == 443_440
+
+
+def test_preset_defaults_torchtitan_moe_to_titan() -> None:
+    """The torchtitan preset runs torchtitan's block; where it cannot express the MoE (a
+    shared-expert gate: Qwen2-MoE's) memplan's reference loop, as before."""
+    from memplan.api import resolve
+
+    spec, _, _ = _setup()
+    assert resolve(spec, framework="torchtitan")[2].moe_impl.value == "titan"
+    gated, _, _ = _setup(num_shared_experts=1, shared_expert_ffn_hidden_size=96,
+                         shared_expert_gate=True)
+    assert resolve(gated, framework="torchtitan")[2].moe_impl.value == "loop"
+
+
+def test_refuses_a_shared_expert_gate() -> None:
+    from memplan.parallel import validate
+
+    spec, wl, dm = _setup(num_shared_experts=1, shared_expert_ffn_hidden_size=96,
+                          shared_expert_gate=True)
+    with pytest.raises(LayoutError, match="moe.shared_expert_gate"):
+        validate(spec, make_layout(1), wl)
+    with pytest.raises(LayoutError, match="moe.shared_expert_gate"):
+        MoE().saved(spec, wl, dm, wl.recompute)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "ops"])
+def test_per_op_recompute_is_refused(recompute: str) -> None:
+    """torchtitan's per-op SAC (recompute selective under its preset) and op-level
+    checkpointing keep ops of the block that are not counted: refused."""
+    from memplan.api import estimate
+    from memplan.model.sac_ops import moe_refusal
+
+    spec, wl, _ = _setup()
+    assert "moe_impl titan" in (moe_refusal(spec, wl) or "")
+    extra = {"recompute_save": "mlp"} if recompute == "ops" else {}
+    with pytest.raises(LayoutError, match=f"moe_impl titan with recompute {recompute}"):
+        estimate(spec, framework="torchtitan", seq_len=128, recompute=recompute, **extra)
+
+
+def test_compiled_in_bf16_without_shared_experts_only() -> None:
+    """torchtitan's compiled block (``memplan.model.compiled.titan_moe_terms``) is traced in
+    bf16 with routed experts alone: its saved set there is the eager one less the softmax,
+    route_norm's operands, SiLU(gate) and the sorted scores (2,048 + 3,072 + 98,304 + 2,048
+    recomputed: ``moe.router_probs`` stands as the fp32 logits, the same T E x 4), the
+    experts' output bf16 (R h x 2 = 65,536, not its fp32 copy) and the combine's zeros (T h
+    x 2 = 32,768) kept: 677,904 - 2,048 - 3,072 - 98,304 - 2,048 - 131,072 + 2,048 + 65,536
+    + 32,768 = 541,712. fp32 and shared experts are refused."""
+    from memplan.parallel import validate
+
+    spec, wl, _ = _setup()
+    compiled = wl.model_copy(update={"compile": True})
+    validate(spec, make_layout(1), compiled)
+    dm = Dims.of(spec, make_layout(1), compiled)
+    saved = {t.name: t.size_bytes for t in MoE().saved(spec, compiled, dm, compiled.recompute)}
+    assert saved["moe.expert_out"] == 65_536 and "moe.expert.act" not in saved
+    assert sum(saved.values()) == 541_712
+    for other, why in (((_setup("fp32")[0], _setup("fp32")[1]), "in fp32"),
+                       (_setup(num_shared_experts=1, shared_expert_ffn_hidden_size=96)[:2],
+                        "shared experts")):
+        with pytest.raises(LayoutError, match=why):
+            validate(other[0], make_layout(1), other[1].model_copy(update={"compile": True}))
+
+
+def test_split_gate_up_holds_three_stacked_tensors() -> None:
+    """torchtitan's GroupedExperts (``MoESpec.split_gate_up``): w1 (E, f, h), w2 (E, h, f)
+    and w3 (E, f, h), three tensors where transformers' stacked experts hold gate_up (E, 2f,
+    h) and down: the same 3 x 4 x 96 x 64 = 73,728 elements, one tensor more (a fused AdamW
+    step of 4 B)."""
+    spec, _, _ = _setup(split_gate_up=True)
+    fused, _, _ = _setup()
+    split = [n for n in MoE().tensor_sizes(spec, 1, 1)]
+    whole = [n for n in MoE().tensor_sizes(fused, 1, 1)]
+    assert len(split) == len(whole) + 1 and sum(split) == sum(whole)
+    assert split[1:] == [24_576] * 3
