@@ -331,7 +331,7 @@ def test_compiled_float8_layer_phase_peaks() -> None:
     """torchtitan's block (fused wqkv, bf16) with torchao's rowwise Float8Linears, compiled,
     no recompute, 2 x 256 tokens (T 512, h 256, f 768), traced with Inductor's GPU
     realization rules, one kernel per scheduler node (``compiled_layer_step``; CPU's
-    ``_scaled_mm`` counted as its output alone: ``compiled_trace._scaled_mm_whole``).
+    ``_scaled_mm`` counted as its output alone: ``compiled_trace._calls_whole``).
 
     Forward, 3,365,888 B exact: at the down projection's ``_scaled_mm`` the saved set
     (2,772,992: four times the 2 x 64 set of ``test_compiled_float8_layer_saves_what_the_
