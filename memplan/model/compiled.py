@@ -985,7 +985,7 @@ def float8_sac_grad_in_first(spec: ModelSpec, wl: Workload, dm: Dims,
                + spec.hidden_size * (q + 2 * kv)) * linear.FLOAT8_BYTES
     first = (dim0 + dm.rows * spec.hidden_size * dm.e + weights
              + dm.tokens * down.d_out * linear.FLOAT8_BYTES + linear.FLOAT8_SCALE_BYTES)
-    # the baseline's: the dim-1 casts and down's weight gradient (in the stream's dtype)
+    # the baseline's: the four casts and down's weight gradient (in the stream's dtype)
     baseline = 2 * dim0 + down.d_in * down.d_out * dm.stream_e
     undersized = dm.tokens * (q + kv) * dm.e  # the kept qkv output in the baseline's estimate
     return first if first < baseline - undersized else None
