@@ -30,7 +30,9 @@ The float8 cases (a seventh field: torchao's recipe, ``--float8`` runs them alon
 installed) convert the block's linears as torchtitan's float8 converter does. On CPU
 ``aten::_scaled_mm`` runs emulated, with fp32 copies of both float8 operands inside the call;
 the trace counts each call as its output alone, as a GPU's cuBLASLt kernel allocates it
-(``compiled_trace._scaled_mm_whole``).
+(``compiled_trace._calls_whole``). So it counts SDPA's CPU flash backward, whose per-thread
+scratch follows the machine's thread count (a GPU's flash backward allocates other scratch,
+modelled by neither: ``_calls_whole``).
 """
 
 from __future__ import annotations

@@ -504,7 +504,7 @@ def _peaks(config: dict, dtype_name: str, batch: int, seq: int,
     events = prof.profiler.kineto_results.events()
     mark = next(e.start_ns() for e in events if e.name() == "memplan.backward")
     alive = forward = backward = 0
-    for start, nbytes in _scaled_mm_whole(events):
+    for start, nbytes in _calls_whole(events):
         alive += nbytes
         if start < mark:
             forward = max(forward, alive)
@@ -513,23 +513,53 @@ def _peaks(config: dict, dtype_name: str, batch: int, seq: int,
     return forward, backward
 
 
-def _scaled_mm_whole(events: Any) -> list[tuple[int, int]]:
-    """The profile's memory events as (time, bytes), each ``aten::_scaled_mm`` call one event
-    of its net bytes (its output) at its end. On CPU the op is emulated: it copies both float8
-    operands to fp32 (a transposed one made contiguous first), multiplies in fp32 and casts
-    the result, freeing all of it before it returns (``_scaled_mm_out_cpu_emulated``,
-    aten/src/ATen/native/Blas.cpp, torch 2.13; the 2 x 64 toy's w1: 196,608 + 131,072 +
-    786,432 + 393,216 + 196,608 B inside the call, its 196,608 B output left); a GPU's
-    cuBLASLt kernel allocates the output alone (its workspace, kept per handle, is no step's
-    allocation: ``getCUDABlasLtWorkspace``, aten/src/ATen/cuda/CUDABlas.cpp)."""
+# the ops ``_calls_whole`` counts as their outputs alone: their CPU kernels' scratch is not
+# what a GPU kernel of the op allocates (``_calls_whole``)
+WHOLE_CALLS = ("aten::_scaled_mm", "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def _calls_whole(events: Any) -> list[tuple[int, int]]:
+    """The profile's memory events as (time, bytes), each call of a ``WHOLE_CALLS`` op one
+    event of its net bytes (its outputs) at its end, its scratch dropped:
+
+    - ``aten::_scaled_mm``: on CPU the op is emulated: it copies both float8 operands to fp32
+      (a transposed one made contiguous first), multiplies in fp32 and casts the result,
+      freeing all of it before it returns (``_scaled_mm_out_cpu_emulated``,
+      aten/src/ATen/native/Blas.cpp, torch 2.13; the 2 x 64 toy's w1: 196,608 + 131,072 +
+      786,432 + 393,216 + 196,608 B inside the call, its 196,608 B output left); a GPU's
+      cuBLASLt kernel allocates the output alone (its workspace, kept per handle, is no
+      step's allocation: ``getCUDABlasLtWorkspace``, aten/src/ATen/cuda/CUDABlas.cpp).
+    - ``aten::_scaled_dot_product_flash_attention_for_cpu_backward`` (SDPA's CPU flash
+      backward): besides dq, dk and dv it allocates per-thread scratch, freed before it
+      returns (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp
+      ``cpu_flash_attention_backward``, torch 2.13: ``buf``, num_threads x (q split x kv
+      split + ...) fp32, ``buf_reduced`` in the input's dtype for a reduced-precision input,
+      and a per-row sum; 3,146,752 B on 2 threads at the toy's 2 x 1,024 tokens), so its
+      size follows the machine's thread count, not the step. A GPU's flash backward
+      (FlashAttention-2 ``mha_bwd``, aten/src/ATen/native/transformers/cuda/flash_attn/
+      flash_api.cpp, pytorch/pytorch main) allocates other scratch inside the call:
+      ``softmax_d`` (batch x heads x seqlen_q rounded up to 128, fp32, returned and dropped
+      by its caller), ``dq_accum`` (batch x seqlen_q rounded x heads x head_size rounded to
+      32 or 64, fp32; deterministic: one per split, zeroed) and, given fewer k/v heads than
+      q heads, ``dk_expanded`` and ``dv_expanded`` (batch x seqlen_k x heads x head_size,
+      the input's dtype) summed into dk and dv after the kernel. memplan models the call
+      as its outputs (dq, dk, dv: ``attention._flash_backward``, ``compiled.
+      attention_backward_moments``), no kernel's scratch, and the trace counts the same:
+      neither depends on the CPU's thread count, and neither holds the GPU kernel's
+      scratch (the toy's 2 x 1,024 tokens: softmax_d 65,536 B, dq_accum 2,097,152 B, the
+      expanded dk and dv 2 x 1,048,576 B were its 8 q and 2 k/v heads passed as they are),
+      a gap of the model
+      (the attention backward's moments), not of the trace.
+
+    Nested calls count at the outer call's end."""
     calls = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
-                   if e.name() == "aten::_scaled_mm")
+                   if e.name() in WHOLE_CALLS)
     rows: list[tuple[int, int]] = []
     pending: dict[int, int] = {}
     for event in sorted((e for e in events if e.name() == "[memory]"),
                         key=lambda e: e.start_ns()):
         at = event.start_ns()
-        end = next((stop for begin, stop in calls if begin <= at <= stop), None)
+        end = max((stop for begin, stop in calls if begin <= at <= stop), default=None)
         if end is None:
             rows.append((at, event.nbytes()))
         else:

@@ -433,7 +433,7 @@ def test_compiled_float8_layer_phase_peaks() -> None:
     """torchtitan's block (fused wqkv, bf16) with torchao's rowwise Float8Linears, compiled,
     no recompute, 2 x 256 tokens (T 512, h 256, f 768), traced with Inductor's GPU
     realization rules, one kernel per scheduler node (``compiled_layer_step``; CPU's
-    ``_scaled_mm`` counted as its output alone: ``compiled_trace._scaled_mm_whole``).
+    ``_scaled_mm`` counted as its output alone: ``compiled_trace._calls_whole``).
 
     Forward, 3,365,888 B exact: at the down projection's ``_scaled_mm`` the saved set
     (2,772,992: four times the 2 x 64 set of ``test_compiled_float8_layer_saves_what_the_
@@ -503,9 +503,9 @@ def test_compiled_float8_per_op_sac_backward_peak(recipe: str, modelled: int,
     gradient, the four T x f casts and the down weight's gradient) beside gate's kept and
     up's rebuilt outputs, qkv, SDPA's output and logsumexp, the output projection's
     rebuilt output and its two casts: memplan 2,066 B over, that norm's statistics and
-    18 B of scalars. Both within 0.05% of the trace. At 2 x 1,024 tokens the tensorwise
-    trace peaks inside CPU's SDPA backward instead (``benchmarks/compiled_backward.py``:
-    memplan -0.77%; ``compiled.float8_swiglu_casts``). torchao 0.18.0."""
+    18 B of scalars; Inductor's baseline order (``compiled.float8_sac_grad_in_first``:
+    None here). Both within 0.05% of the trace. At 2 x 1,024 tokens Inductor picks
+    another order: ``test_compiled_float8_per_op_sac_lpmf_order``. torchao 0.18.0."""
     pytest.importorskip("torchao.float8")
     from memplan.profile.compiled_trace import compiled_layer_step
 
@@ -517,6 +517,79 @@ def test_compiled_float8_per_op_sac_backward_peak(recipe: str, modelled: int,
         assert modelled == 6_315_008 + 197_632 + (196_608 + 512 + 3 * 131_072)
     assert backward == traced
     assert abs(modelled - traced) <= 0.0005 * traced
+
+
+def test_compiled_float8_per_op_sac_lpmf_order() -> None:
+    """torchtitan's block (fused wqkv, bf16) with torchao's tensorwise Float8Linears inside
+    its per-op SAC, compiled, 2 x 1,024 tokens (T 2,048, h = q 256, kv 64, f 768), traced
+    as ``test_compiled_float8_layer_phase_peaks`` (SDPA's CPU flash backward counted as its
+    outputs: ``compiled_trace._calls_whole``). Inductor's ``reorder_for_peak_memory`` keeps
+    ``topological_sort_lpmf``'s order here (its log: baseline 19,144,734 B, lpmf
+    18,980,912), which runs gate's and up's grad-input ``_scaled_mm``s before the
+    attention's backward (``compiled.float8_sac_grad_in_first``). The trace peaks at up's
+    grad-input matmul (the output code's ``buf24``): beside the rebuilt set and the
+    product's gradient (T x f x 2 = 3,145,728), gate's and up's dim-0 output-gradient casts
+    2 x (T x f + 4) = 3,145,736, up's input gradient T x h x 2 = 1,048,576, the incoming
+    gradient's dim-1 cast T x h = 524,288 (+ 4 B of scale), the transposed weight casts
+    of gate, up and wqkv 2 x 768 x 256 + 256 x 384 = 491,520 and no weight gradient:
+    memplan 20,037,676 B, 8,188 B over the trace's 20,029,488 (the attention norm's
+    statistics, T x 4, recomputed at the layer's end; 7.4% over before, the baseline's
+    moment: the two dim-1 casts and down's weight gradient 256 x 768 x 2 = 393,216 in
+    place of the input gradient, the incoming gradient's cast and the weight casts,
+    1,474,564 B more). The choice: the baseline's estimate leaves out T x (q + kv) x 2 =
+    1,310,720 B of the kept qkv output (sized by its last reader's slice), so the baseline
+    estimates 1,474,564 - 1,310,720 = 163,844 B above lpmf (Inductor's log: 163,822)."""
+    pytest.importorskip("torchao.float8")
+    from memplan.profile.compiled_trace import compiled_layer_step
+
+    config = {"torchtitan": dict(TITAN["torchtitan"], float8="tensorwise")}
+    _, _, backward = compiled_layer_step(config, "bfloat16", BATCH, 1024, checkpoint="op",
+                                         gpu_realize=True)
+    assert backward == 20_029_488
+    assert _float8_peaks("tensorwise", "op", 1024)[1] == backward + 8_188
+    assert _float8_peaks("tensorwise", "op", 256)[1] == 5_722_160  # the baseline's order
+
+
+def test_cpu_flash_backward_counted_as_its_outputs() -> None:
+    """SDPA's CPU flash backward (q 2 x 8 x 1,024 x 32 bf16, k and v alike, causal) holds
+    per-thread scratch inside the call (FlashAttentionKernel.cpp
+    ``cpu_flash_attention_backward``: ``buf``, ``buf_reduced``), which grows with the
+    thread count, and a contiguous copy of the output's gradient, both freed before it
+    returns; ``compiled_trace._calls_whole`` counts the call as its outputs, dq, dk and
+    dv, 3 x 2 x 8 x 1,024 x 32 x 2 = 3,145,728 B, on one thread and on two (the gradients
+    taken with ``torch.autograd.grad``: no leaf's copy of them)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from memplan.profile.compiled_trace import _calls_whole
+
+    threads = torch.get_num_threads()
+    q, k, v = (torch.randn(2, 8, 1024, 32, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    peaks = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            grad = torch.ones_like(out)
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                grads = torch.autograd.grad(out, (q, k, v), grad)
+            events = prof.profiler.kineto_results.events()
+            raw = alive = whole = 0
+            for event in sorted((e for e in events if e.name() == "[memory]"),
+                                key=lambda e: e.start_ns()):
+                alive += event.nbytes()
+                raw = max(raw, alive)
+            alive = 0
+            for _, nbytes in _calls_whole(events):
+                alive += nbytes
+                whole = max(whole, alive)
+            peaks.append((raw, whole))
+            del grads
+    finally:
+        torch.set_num_threads(threads)
+    assert [whole for _, whole in peaks] == [3_145_728, 3_145_728]
+    assert peaks[1][0] > peaks[0][0] > 3_145_728  # the scratch, by thread count
 
 
 @pytest.mark.parametrize("recipe,checkpoint,over", [("tensorwise", "full", 5_056),

@@ -688,3 +688,44 @@ def test_compiled_sandwich_layer_rebuilt_inside_the_graph() -> None:
     swiglu = ModelSpec.model_validate({**SANDWICH.model_dump(), "mlp": "swiglu"})
     with pytest.raises(LayoutError, match="sandwich norms, recompute full and an MLP other"):
         validate(swiglu, ParallelConfig(), wl)
+
+
+def _titan_toy(seq: int) -> ModelSpec:
+    """torchtitan's Llama3 toy block of tests/traced/test_compile_trace.py (h 256, 8 heads of
+    32, 2 k/v heads, f 768, fused wqkv), as ``frameworks.torchtitan_spec`` reads it."""
+    from memplan.spec import spec_from_hf_dict
+
+    data = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 1,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 768,
+            "vocab_size": 1000, "max_position_embeddings": seq, "hidden_act": "silu",
+            "tie_word_embeddings": False}
+    return spec_from_hf_dict(data, "torchtitan toy", "toy").model_copy(
+        update={"fused_qkv": True})
+
+
+@pytest.mark.parametrize("seq,first", [(1024, 5_210_124), (256, None), (64, None)])
+def test_float8_per_op_sac_order(seq: int, first: int | None) -> None:
+    """Tensorwise Float8Linears under per-op SAC, compiled (``compiled.
+    float8_sac_grad_in_first``): Inductor's lpmf order where lpmf's moment is below the
+    baseline's as Inductor estimates it (the kept qkv output sized as one T x kv slice, T x
+    (q + kv) x 2 low). Beyond what both hold (the saved set, the product's gradient), lpmf:
+    gate's and up's dim-0 casts 2 x (T x 768 + 4), up's input gradient T x 256 x 2, the
+    transposed weight casts of gate, up and wqkv 2 x 768 x 256 + 256 x 384 = 491,520, the
+    incoming gradient's dim-1 cast T x 256 + 4; the baseline: the four casts 4 x (T x 768 +
+    4) and down's weight gradient 256 x 768 x 2 = 393,216, less T x 320 x 2.
+    2 x 1,024 (T 2,048): lpmf 3,145,736 + 1,048,576 + 491,520 + 524,292 = 5,210,124; the
+    baseline 6,291,472 + 393,216 - 1,310,720 = 5,373,968: lpmf (Inductor's log: 163,822 B
+    lower; here 163,844). 2 x 256 (T 512): lpmf 786,440 + 262,144 + 491,520 + 131,076 =
+    1,671,180; the baseline 1,572,880 + 393,216 - 327,680 = 1,638,416: the baseline (its
+    log: 32,786 B lower; here 32,764). 2 x 64 (T 128): 786,444 against 704,528: the
+    baseline (not logged; the trace peaks at the MLP's weight gradients there)."""
+    from memplan.model import compiled
+    from memplan.model.mlp import mlp_linears
+
+    spec = _titan_toy(seq)
+    wl = Workload(micro_batch_size=2, seq_len=seq, precision="bf16-pure",
+                  recompute=Recompute.SELECTIVE, selective_impl=SelectiveImpl.OP,
+                  compile=True, rope_cache="layer", float8=Float8Recipe.TENSORWISE)
+    dm = compiled.rerun_dims(Dims.of(spec, ParallelConfig(), wl))
+    linears = mlp_linears(spec, spec.ffn_hidden_size)
+    assert compiled.float8_sac_grad_in_first(spec, wl, dm, linears) == first
