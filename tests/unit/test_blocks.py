@@ -240,10 +240,11 @@ def test_block_flops_count_two_per_parameter(model: str) -> None:
 def test_every_block_has_the_interface() -> None:
     """Norms, stream inputs, attention (full, windowed, and NoPE beside an L2 q/k norm), MLA,
     gated DeltaNet, LFM2's short convolution and Mamba2 with the norms before them, Falcon-H1's
-    mixer and attention side by side with its norm, MLP and MoE, the head and the embedding
-    all expose the same methods (``memplan.model.block``), and each answers them."""
+    mixer and attention side by side with its norm, MLP and MoE (its pre norm a block of its
+    own: ``norm.moe_output_unread``), the head and the embedding all expose the same methods
+    (``memplan.model.block``), and each answers them."""
     methods = [name for name in Block.__dict__ if not name.startswith("_") and name != "name"]
-    assert len(ALL_BLOCKS) == 19
+    assert len(ALL_BLOCKS) == 20
     for block in (*ALL_BLOCKS, HeadBlock(), EmbeddingBlock()):
         assert all(callable(getattr(block, name)) for name in methods), block
         assert isinstance(block.name, str)
