@@ -808,9 +808,10 @@ def _titan_moe_rule(spec: ModelSpec, wl: Workload) -> None:
     from memplan.model import moe_titan  # (memplan.model imports this module)
 
     why = moe_titan.refusal(spec)
-    if why is None and wl.recompute in (Recompute.SELECTIVE, Recompute.OPS):
+    if why is None and (wl.recompute is Recompute.OPS or (
+            wl.recompute is Recompute.SELECTIVE and wl.selective_impl.value != "op")):
         why = (f"moe_impl titan with recompute {wl.recompute.value} (torchtitan's MoE "
-               "block is modelled under recompute none and full)")
+               "block is modelled under recompute none, full and torchtitan's per-op SAC)")
     if why is not None:
         raise LayoutError("moe_impl titan runs torchtitan's MoE block", why)
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from memplan.errors import LayoutError
-from memplan.model import mlp
+from memplan.model import mlp, sac
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
 from memplan.spec import ModelSpec, MoESpec
 from memplan.units import DType
@@ -144,6 +144,34 @@ def titan_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
         terms += mlp.mlp_terms("moe.shared", spec, dm, ffn, dm.tokens)
     return terms
 
+
+
+def sac_matmuls(spec: ModelSpec, fused_qkv: bool) -> list[sac.MatMul]:
+    """The matmuls torchtitan's per-op SAC counts in a block with this MoE (``SelectiveAC.
+    _wrap_block``'s ``mm_count_key``), in execution order: the attention's
+    (``sac.matmuls``), then the shared experts' w1, w3 and w2 (``FeedForward``, after the
+    routed experts). Not counted: the router's gate (``force_recompute_mm_shapes_by_fqns``
+    defaults to ``moe.router.gate``: its (h, E) mm always reruns) and the routed experts'
+    ``torch._grouped_mm`` (not an mm op, not in ``_get_default_save_ops``: rerun)."""
+    moe, h = _moe(spec), spec.hidden_size
+    attn = [m for m in sac.matmuls(spec, fused_qkv) if m[0].startswith("attn.")]
+    ffn = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
+    if not ffn:
+        return attn
+    return attn + [("moe.shared.w1", h, ffn, True), ("moe.shared.w3", h, ffn, True),
+                   ("moe.shared.w2", ffn, h, False)]
+
+
+def sac_terms(spec: ModelSpec, dm: Dims, fused_qkv: bool) -> list[Term]:
+    """What a block with this MoE keeps under torchtitan's per-op SAC beyond its input: the
+    odd counted matmuls' outputs and the attention kernel's (``sac.sac_terms`` over
+    ``sac_matmuls``), and the router's ``topk`` outputs (``aten.topk`` is in the save list:
+    T k fp32 scores and T k int64 expert ids, whatever the model's dtype: the scores are
+    the router's fp32 softmax). Everything else of the block reruns in backward."""
+    routed = dm.tokens * _moe(spec).top_k
+    return [*sac.sac_terms(spec, dm, fused_qkv, sac_matmuls(spec, fused_qkv)),
+            Term("sac.moe.topk_scores", routed * FP32_BYTES),
+            Term("sac.moe.topk_indices", routed * INDEX_BYTES)]
 
 
 def _bound_bytes(spec: ModelSpec, dm: Dims) -> int:
