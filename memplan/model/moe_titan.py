@@ -28,6 +28,11 @@ bf16: the grouped matmuls and silu), the offsets, the experts' output in fp32 an
 scores (their product's operands); the shared experts' MLP terms. The ffn norm's output is
 saved by no one when the router reads an fp32 copy and no shared expert reads it
 (``memplan.model.norm.moe_output_unread``).
+
+Under torchtitan's per-op SAC (``sac_terms``) the block keeps the router's topk outputs and
+every odd counted matmul's (the attention's and a shared expert's); the gate and the grouped
+matmuls rerun with the rest (traced: the same toys under SelectiveAC, saved activations and
+forward peaks exact).
 """
 
 from __future__ import annotations
