@@ -173,3 +173,17 @@ def test_split_gate_up_holds_three_stacked_tensors() -> None:
     whole = [n for n in MoE().tensor_sizes(fused, 1, 1)]
     assert len(split) == len(whole) + 1 and sum(split) == sum(whole)
     assert split[1:] == [24_576] * 3
+
+
+def test_per_op_sac_rerun_flops() -> None:
+    """The rerun's forward FLOPs per token of one MoE layer under torchtitan's per-op SAC
+    (tiny-moe, q/k/v apart): k (h kv = 2,048) and o (q h = 4,096), the router's gate (h E =
+    256), the routed experts' w1, w3 and w2 for k = 2 rows (3 x 2 x h f = 36,864): 43,264
+    weights x 2 = 86,528 (a dense layer: k, o and the MLP's up, h 176 = 11,264: 34,816)."""
+    from memplan.planning.timing import _sac_rerun_flops
+    from memplan.workload import SelectiveImpl
+
+    spec, wl, _ = _setup(recompute="selective")
+    wl = wl.model_copy(update={"selective_impl": SelectiveImpl.OP})
+    assert _sac_rerun_flops(spec, wl, True) == 86_528
+    assert _sac_rerun_flops(spec, wl, False) == 34_816
