@@ -112,8 +112,10 @@ def test_op_level_recompute_is_refused() -> None:
                  selective_impl="core")
 
 
-@pytest.mark.parametrize(("shared", "kept_bytes"), [(0, 92_160), (48, 149_504)])
-def test_per_op_sac_keeps_the_odd_matmuls_and_topk(shared: int, kept_bytes: int) -> None:
+@pytest.mark.parametrize(("shared", "experts", "kept_bytes"),
+                         [(0, 4, 92_160), (48, 4, 149_504), (0, 32, 75_776)])
+def test_per_op_sac_keeps_the_odd_matmuls_and_topk(shared: int, experts: int,
+                                                   kept_bytes: int) -> None:
     """torchtitan's per-op SAC (``SelectiveAC._wrap_block``) over its MoE block, in bf16
     (tiny: h 64, q 64, kv 32, 4 heads, q/k/v apart; T = 256): what a MoE layer keeps beyond
     the fully recomputed layer's input. The counted matmuls are q (1st, kept: T q x 2 =
@@ -123,18 +125,22 @@ def test_per_op_sac_keeps_the_odd_matmuls_and_topk(shared: int, kept_bytes: int)
     outputs (T k x 4 = 2,048 scores, T k x 8 = 4,096 ids): 92,160. With a shared expert of f
     48 its w1 is the 5th (kept: T f x 2 = 24,576), w3 the 6th (rerun), w2 the 7th (kept: T h
     x 2 = 32,768): 149,504. (The dense MLP's w1 and w2, T 176 x 2 + T h x 2 = 122,880, are
-    not kept: the block has none.)"""
+    not kept: the block has none.) With 32 experts the gate (h x E = 64 x 32) has k's and
+    v's shape, which the policy's shape match reruns uncounted: q the 1st (kept), o the 2nd:
+    92,160 - 16,384 (v) = 75,776."""
     from memplan.model.layer import layer_kind
     from memplan.workload import Recompute, SelectiveImpl
 
     moe = {"num_shared_experts": 1, "shared_expert_ffn_hidden_size": shared} if shared else {}
+    moe["num_experts"] = experts
     spec, wl, dm = _setup(recompute="selective", **moe)
     wl = wl.model_copy(update={"selective_impl": SelectiveImpl.OP})
     sac = layer_kind(spec, wl, dm, True, Recompute.SELECTIVE)
     full = layer_kind(spec, wl, dm, True, Recompute.FULL)
     assert sac.saved_bytes - full.saved_bytes == kept_bytes
     names = {t.name for t in sac.terms} - {t.name for t in full.terms}
-    assert {"sac.attn.q_proj", "sac.attn.v_proj", "sac.moe.topk_scores"} <= names
+    assert {"sac.attn.q_proj", "sac.moe.topk_scores", "sac.moe.topk_indices"} <= names
+    assert ("sac.attn.v_proj" in names) is (experts == 4)
     assert not names & {"sac.mlp.w1", "sac.mlp.w2", "sac.attn.k_proj", "sac.moe.shared.w3"}
 
 
