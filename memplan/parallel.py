@@ -802,15 +802,16 @@ def _compile_post_norm_refusal(spec: ModelSpec, wl: Workload) -> str | None:
 
 def _titan_moe_rule(spec: ModelSpec, wl: Workload) -> None:
     """torchtitan's MoE block (``moe_impl titan``, ``memplan.model.moe_titan``): what it
-    cannot run of the spec's MoE (``moe_titan.refusal``), and torchtitan's per-op SAC over
-    it (its save list's gate mm and grouped matmuls in the block are not counted:
-    ``memplan.model.layer.layer_kind`` keeps a dense layer's)."""
+    cannot run of the spec's MoE (``moe_titan.refusal``), and op-level checkpointing or a
+    selective AC other than torchtitan's per-op SAC over it (``moe_titan.sac_terms`` models
+    the latter alone)."""
     from memplan.model import moe_titan  # (memplan.model imports this module)
 
     why = moe_titan.refusal(spec)
-    if why is None and wl.recompute in (Recompute.SELECTIVE, Recompute.OPS):
+    if why is None and (wl.recompute is Recompute.OPS or (
+            wl.recompute is Recompute.SELECTIVE and wl.selective_impl.value != "op")):
         why = (f"moe_impl titan with recompute {wl.recompute.value} (torchtitan's MoE "
-               "block is modelled under recompute none and full)")
+               "block is modelled under recompute none, full and torchtitan's per-op SAC)")
     if why is not None:
         raise LayoutError("moe_impl titan runs torchtitan's MoE block", why)
 

@@ -49,7 +49,7 @@ from memplan.model.moe import BEFORE_LOOP, MoE, down_biases_bytes, weights_width
 from memplan.model.short_conv import ShortConv, conv_cache_bytes, short_conv_linears
 from memplan.model.mamba import Mamba, mamba_cache_bytes, mamba_linears
 from memplan.model.mamba import kernel as mamba_kernel
-from memplan.model import falcon_h1
+from memplan.model import falcon_h1, moe_titan
 from memplan.model.falcon_h1 import ParallelMamba
 from memplan.model.norm import Norm, StreamInput
 from memplan.model.sac import sac_terms
@@ -571,7 +571,9 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         # which the rerun reuses (so its backward is the full recompute's)
         full = layer_kind(spec, wl, dm, moe, Recompute.FULL, variant)
         fused = wl.fused_qkv or spec.fused_qkv
-        kept = sac_terms(spec, dm, fused)
+        # torchtitan's MoE block: its counted matmuls and the router's topk
+        titan = moe and wl.moe_impl is MoeImpl.TITAN
+        kept = moe_titan.sac_terms(spec, dm, fused) if titan else sac_terms(spec, dm, fused)
         kept = tuple(compiled.sac_kept(kept, spec, dm, fused) if wl.compile else kept)
         # the recomputed layer's forward peaks in the MLP, before the down projection, whose
         # output (kept) does not exist yet; compiled with the checkpoint inside the graph,
@@ -587,7 +589,8 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
             or compiled.autocast_checkpointed_forward_bytes(spec, dm) is not None
             or compiled.float8_gate_held(spec, dm, linears))
         late = sum(t.size_bytes for t in kept
-                   if t.name == "sac.mlp.w2" or (t.name == "sac.mlp.w1" and gate_held))
+                   if t.name == "sac.mlp.w2" or (t.name == "sac.mlp.w1" and gate_held)
+                   or t.name.startswith("sac.moe.shared."))  # after the routed combine
         moments = full.moments
         if in_graph and compiled.sac_schedule(spec, dm):  # traced kernel
             moments = compiled.sac_deferred(moments, _attention_rebuilt(spec, wl, dm, variant),

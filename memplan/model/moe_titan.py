@@ -28,6 +28,11 @@ bf16: the grouped matmuls and silu), the offsets, the experts' output in fp32 an
 scores (their product's operands); the shared experts' MLP terms. The ffn norm's output is
 saved by no one when the router reads an fp32 copy and no shared expert reads it
 (``memplan.model.norm.moe_output_unread``).
+
+Under torchtitan's per-op SAC (``sac_terms``) the block keeps the router's topk outputs and
+every odd counted matmul's (the attention's and a shared expert's); the gate and the grouped
+matmuls rerun with the rest (traced: the same toys under SelectiveAC, saved activations and
+forward peaks exact).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from memplan.errors import LayoutError
-from memplan.model import mlp
+from memplan.model import mlp, sac
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
 from memplan.spec import ModelSpec, MoESpec
 from memplan.units import DType
@@ -144,6 +149,37 @@ def titan_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
         terms += mlp.mlp_terms("moe.shared", spec, dm, ffn, dm.tokens)
     return terms
 
+
+
+def sac_matmuls(spec: ModelSpec, fused_qkv: bool, tp: int = 1) -> list[sac.MatMul]:
+    """The matmuls torchtitan's per-op SAC counts in a block with this MoE (``SelectiveAC.
+    _wrap_block``'s ``mm_count_key``), in execution order: the attention's
+    (``sac.matmuls``), then the shared experts' w1, w3 and w2 (``FeedForward``, after the
+    routed experts). Not counted: the router's gate (``force_recompute_mm_shapes_by_fqns``
+    defaults to ``moe.router.gate``: its (h, E) mm always reruns), and so any mm of that
+    shape (the policy matches shapes: a projection whose rank-local weight, at ``tp``, is
+    (h, E) reruns uncounted too), and the routed experts' ``torch._grouped_mm`` (not an mm
+    op, not in ``_get_default_save_ops``: rerun)."""
+    moe, h = _moe(spec), spec.hidden_size
+    attn = [m for m in sac.matmuls(spec, fused_qkv) if m[0].startswith("attn.")]
+    ffn = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
+    shared = [("moe.shared.w1", h, ffn, True), ("moe.shared.w3", h, ffn, True),
+              ("moe.shared.w2", ffn, h, False)] if ffn else []
+    gate = (h, moe.num_experts)
+    return [m for m in attn + shared
+            if ((m[1], m[2] // tp) if m[3] else (m[1] // tp, m[2])) != gate]
+
+
+def sac_terms(spec: ModelSpec, dm: Dims, fused_qkv: bool) -> list[Term]:
+    """What a block with this MoE keeps under torchtitan's per-op SAC beyond its input: the
+    odd counted matmuls' outputs and the attention kernel's (``sac.sac_terms`` over
+    ``sac_matmuls``), and the router's ``topk`` outputs (``aten.topk`` is in the save list:
+    T k fp32 scores and T k int64 expert ids, whatever the model's dtype: the scores are
+    the router's fp32 softmax). Everything else of the block reruns in backward."""
+    routed = dm.tokens * _moe(spec).top_k
+    return [*sac.sac_terms(spec, dm, fused_qkv, sac_matmuls(spec, fused_qkv, dm.tp)),
+            Term("sac.moe.topk_scores", routed * FP32_BYTES),
+            Term("sac.moe.topk_indices", routed * INDEX_BYTES)]
 
 
 def _bound_bytes(spec: ModelSpec, dm: Dims) -> int:

@@ -29,20 +29,28 @@ def matmuls(spec: ModelSpec, fused_qkv: bool) -> list[tuple[str, int, int, bool]
     return qkv + [("attn.o_proj", q, h, False)] + mlp + [("mlp.w2", f, h, False)]
 
 
-def recomputed(spec: ModelSpec, fused_qkv: bool) -> list[tuple[str, int, int, bool]]:
+MatMul = tuple[str, int, int, bool]
+
+
+def recomputed(spec: ModelSpec, fused_qkv: bool,
+               mms: list[MatMul] | None = None) -> list[MatMul]:
     """The matmuls per-op SAC recomputes: the even-numbered ones (``meta[mm_count_key] % 2
-    == 0``)."""
-    return [m for i, m in enumerate(matmuls(spec, fused_qkv), start=1) if i % 2 == 0]
+    == 0``) of the block's counted matmuls ``mms`` (default: a Llama block's, ``matmuls``)."""
+    mms = matmuls(spec, fused_qkv) if mms is None else mms
+    return [m for i, m in enumerate(mms, start=1) if i % 2 == 0]
 
 
-def sac_terms(spec: ModelSpec, dm: Dims, fused_qkv: bool) -> list[Term]:
+def sac_terms(spec: ModelSpec, dm: Dims, fused_qkv: bool,
+              mms: list[MatMul] | None = None) -> list[Term]:
     """What a block under per-op SAC keeps beyond its input: every odd matmul's output
-    (the 1st, 3rd, ...: ``meta[mm_count_key] % 2 == 0`` recomputes the even ones) and the
-    attention kernel's output and fp32 logsumexp."""
-    rerun = {m[0] for m in recomputed(spec, fused_qkv)}
+    (the 1st, 3rd, ...: ``meta[mm_count_key] % 2 == 0`` recomputes the even ones) of its
+    counted matmuls ``mms`` (default ``matmuls``) and the attention kernel's output and fp32
+    logsumexp."""
+    mms = matmuls(spec, fused_qkv) if mms is None else mms
+    rerun = {m[0] for m in recomputed(spec, fused_qkv, mms)}
     # a column-parallel output is this rank's shard; a row-parallel one the full partial sum
     kept = [Term(f"sac.{name}", dm.tokens * (d_out // dm.tp if column else d_out) * dm.e)
-            for name, _, d_out, column in matmuls(spec, fused_qkv) if name not in rerun]
+            for name, _, d_out, column in mms if name not in rerun]
     heads = spec.num_attention_heads // dm.tp
     kept.append(Term("sac.attn.out", dm.tokens * spec.q_size // dm.tp * dm.e))
     kept.append(Term("sac.attn.lse", dm.b * heads * dm.s * FP32_BYTES))

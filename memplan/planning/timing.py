@@ -215,7 +215,8 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
     elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl is SelectiveImpl.OP:
         # per-op SAC reruns the matmuls it does not keep (every second one; memplan.model.sac)
         # and not the attention kernel, whose output it keeps
-        extra += _sac_rerun_flops(spec, wl) * spec.num_layers * tokens
+        extra += sum(_sac_rerun_flops(spec, wl, spec.is_moe_layer(i))
+                     for i in range(spec.num_layers)) * tokens
     elif wl.recompute is Recompute.SELECTIVE:
         extra += attention * tokens
     return model, model + extra
@@ -285,11 +286,21 @@ def ops_stage_rerun(spec: ModelSpec, wl: Workload, pp: int) -> list[float]:
         "recompute_save": sac_ops.for_stage(wl.recompute_save, s)})) for s in range(pp)]
 
 
-def _sac_rerun_flops(spec: ModelSpec, wl: Workload) -> float:
+def _sac_rerun_flops(spec: ModelSpec, wl: Workload, moe: bool = False) -> float:
     """Forward FLOPs per token of the matmuls per-op SAC recomputes in one layer: 2 per
-    weight (``memplan.model.sac.recomputed``)."""
+    weight (``memplan.model.sac.recomputed``). A layer of torchtitan's MoE block
+    (``moe_impl titan``, ``memplan.model.moe_titan.sac_matmuls``) reruns the even counted
+    matmuls, the router's gate (h E) and the routed experts' grouped matmuls (3 h f per
+    routed row, k rows a token)."""
     fused = wl.fused_qkv or spec.fused_qkv
-    return 2.0 * sum(d_in * d_out for _, d_in, d_out, _ in recomputed(spec, fused))
+    if not (moe and spec.moe is not None and wl.moe_impl is MoeImpl.TITAN):
+        return 2.0 * sum(d_in * d_out for _, d_in, d_out, _ in recomputed(spec, fused))
+    from memplan.model import moe_titan
+
+    m, h = spec.moe, spec.hidden_size
+    mms = recomputed(spec, fused, moe_titan.sac_matmuls(spec, fused))
+    routed = 3 * m.top_k * h * m.expert_ffn_hidden_size
+    return 2.0 * (sum(d_in * d_out for _, d_in, d_out, _ in mms) + h * m.num_experts + routed)
 
 
 class _Numbers:

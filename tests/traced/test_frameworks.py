@@ -110,6 +110,31 @@ LITGPT_TOY = dict(n_layer=2, n_embd=256, n_head=4, intermediate_size=688, vocab_
                   padded_vocab_size=1000, block_size=256)
 LITGPT_GQA = dict(LITGPT_TOY, n_head=8, n_query_groups=2)
 
+# torchtitan's MoE block with a shared expert in fp32: the backward's peak one T x h fp32
+# tensor (2 x 64 x 128 x 4 = 65,536 B) over the estimate whatever the recompute (the same
+# row: -64,512 B under full AC, -65,536 B without AC: the block's own backward, not per-op
+# SAC's; not located). Saved activations and forward peaks exact.
+TITAN_SHARED_FP32_BACKWARD = Known(
+    ("first_step.backward_bytes",),
+    "torchtitan's MoE block with a shared expert in fp32: its backward peaks 64,512 B (one "
+    "T x h fp32 tensor less the others' 1,024 B over) above the estimate under per-op SAC, "
+    "as under full AC (-64,512 B) and without AC (-65,536 B); not located",
+    {"first_step.backward_bytes": (-64_512, -1.0142)})
+
+
+# torchtitan's MoE block with 256 experts (the toy's 4 x 64): the forward peaks above the
+# estimate whatever the recompute (-3,529,216 B under full AC, -2,946,048 B without AC, at 64
+# experts -508,672 B under full AC): the block's forward at many experts, not per-op SAC's
+# (whose saved activations are exact); not located
+TITAN_E256_FORWARD = Known(
+    ("first_step.forward_bytes", "steady.forward_bytes"),
+    "torchtitan's MoE block with 256 experts: its forward peaks 3,458,560 B above the "
+    "estimate under per-op SAC, as under full AC (-3,529,216 B) and without AC "
+    "(-2,946,048 B); not located",
+    {"first_step.forward_bytes": (-3_458_560, -5.0394),
+     "steady.forward_bytes": (-3_458_560, -2.0147)})
+
+
 CASES: list[tuple[FrameworkCase, Known | None]] = [
     # --- Hugging Face transformers, SDPA ---------------------------------------------------
     (FrameworkCase("transformers", "Meta-Llama-3-8B-2l", hf("Meta-Llama-3-8B",
@@ -426,6 +451,24 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    dp=1), None),
     (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fsdp-bf16", 2, 64,
                    dp=1, options={"ac": "full"}), None),
+    # torchtitan's per-op SAC over its MoE block (SelectiveAC, its default save list): the
+    # router's topk outputs kept, the gate (force_recompute_mm_shapes_by_fqns) and the
+    # grouped matmuls (aten._grouped_mm is not in the list) rerun; a shared expert's
+    # matmuls continue the block's every-second count
+    (FrameworkCase("torchtitan", "qwen3-moe-toy", TITAN_MOE_TOY, "fsdp-bf16", 2, 64, dp=1,
+                   options={"ac": "selective"}), None),
+    (FrameworkCase("torchtitan", "qwen3-moe-toy", TITAN_MOE_TOY, "fp32", 2, 64, dp=1,
+                   options={"ac": "selective"}), None),
+    (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fsdp-bf16", 2, 64,
+                   dp=1, options={"ac": "selective"}), None),
+    (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fp32", 2, 64,
+                   dp=1, options={"ac": "selective"}), TITAN_SHARED_FP32_BACKWARD),
+    # 256 experts: the router's gate (128 x 256) has the fused wqkv's shape, so the policy's
+    # shape match reruns it uncounted too (o the 1st, kept): 32,768 B a layer less kept,
+    # saved activations exact
+    (FrameworkCase("torchtitan", "qwen3-moe-e256", TITAN_MOE_TOY | {"num_experts": 256},
+                   "fsdp-bf16", 2, 64, dp=1, options={"ac": "selective"}),
+     TITAN_E256_FORWARD),
     # each block compiled whole (compile.components "model": apply_compile, fullgraph):
     # memplan.model.compiled.titan_moe_terms; saved activations +4,096 B (+0.27%, 2,048 a
     # layer: the single block's partition, the same graph, is exact in

@@ -96,18 +96,52 @@ def test_refuses_a_shared_expert_gate() -> None:
         MoE().saved(spec, wl, dm, wl.recompute)
 
 
-@pytest.mark.parametrize("recompute", ["selective", "ops"])
-def test_per_op_recompute_is_refused(recompute: str) -> None:
-    """torchtitan's per-op SAC (recompute selective under its preset) and op-level
-    checkpointing keep ops of the block that are not counted: refused."""
+def test_op_level_recompute_is_refused() -> None:
+    """Op-level checkpointing (``recompute ops``) and a selective AC other than torchtitan's
+    per-op SAC keep ops of the block that are not counted: refused."""
     from memplan.api import estimate
     from memplan.model.sac_ops import moe_refusal
 
     spec, wl, _ = _setup()
     assert "moe_impl titan" in (moe_refusal(spec, wl) or "")
-    extra = {"recompute_save": "mlp"} if recompute == "ops" else {}
-    with pytest.raises(LayoutError, match=f"moe_impl titan with recompute {recompute}"):
-        estimate(spec, framework="torchtitan", seq_len=128, recompute=recompute, **extra)
+    with pytest.raises(LayoutError, match="moe_impl titan with recompute ops"):
+        estimate(spec, framework="torchtitan", seq_len=128, recompute="ops",
+                 recompute_save="mlp")
+    with pytest.raises(LayoutError, match="moe_impl titan with recompute selective"):
+        estimate(spec, framework="torchtitan", seq_len=128, recompute="selective",
+                 selective_impl="core")
+
+
+@pytest.mark.parametrize(("shared", "experts", "kept_bytes"),
+                         [(0, 4, 92_160), (48, 4, 149_504), (0, 32, 75_776)])
+def test_per_op_sac_keeps_the_odd_matmuls_and_topk(shared: int, experts: int,
+                                                   kept_bytes: int) -> None:
+    """torchtitan's per-op SAC (``SelectiveAC._wrap_block``) over its MoE block, in bf16
+    (tiny: h 64, q 64, kv 32, 4 heads, q/k/v apart; T = 256): what a MoE layer keeps beyond
+    the fully recomputed layer's input. The counted matmuls are q (1st, kept: T q x 2 =
+    32,768), k (2nd, rerun), v (3rd, kept: T kv x 2 = 16,384), o (4th, rerun); the router's
+    gate is force-recomputed and uncounted, the grouped matmuls are not mm ops (rerun); the
+    SDPA output (T q x 2 = 32,768) and its fp32 logsumexp (b heads s x 4 = 4,096); topk's
+    outputs (T k x 4 = 2,048 scores, T k x 8 = 4,096 ids): 92,160. With a shared expert of f
+    48 its w1 is the 5th (kept: T f x 2 = 24,576), w3 the 6th (rerun), w2 the 7th (kept: T h
+    x 2 = 32,768): 149,504. (The dense MLP's w1 and w2, T 176 x 2 + T h x 2 = 122,880, are
+    not kept: the block has none.) With 32 experts the gate (h x E = 64 x 32) has k's and
+    v's shape, which the policy's shape match reruns uncounted: q the 1st (kept), o the 2nd:
+    92,160 - 16,384 (v) = 75,776."""
+    from memplan.model.layer import layer_kind
+    from memplan.workload import Recompute, SelectiveImpl
+
+    moe = {"num_shared_experts": 1, "shared_expert_ffn_hidden_size": shared} if shared else {}
+    moe["num_experts"] = experts
+    spec, wl, dm = _setup(recompute="selective", **moe)
+    wl = wl.model_copy(update={"selective_impl": SelectiveImpl.OP})
+    sac = layer_kind(spec, wl, dm, True, Recompute.SELECTIVE)
+    full = layer_kind(spec, wl, dm, True, Recompute.FULL)
+    assert sac.saved_bytes - full.saved_bytes == kept_bytes
+    names = {t.name for t in sac.terms} - {t.name for t in full.terms}
+    assert {"sac.attn.q_proj", "sac.moe.topk_scores", "sac.moe.topk_indices"} <= names
+    assert ("sac.attn.v_proj" in names) is (experts == 4)
+    assert not names & {"sac.mlp.w1", "sac.mlp.w2", "sac.attn.k_proj", "sac.moe.shared.w3"}
 
 
 def test_compiled_in_bf16_without_shared_experts_only() -> None:
@@ -145,3 +179,17 @@ def test_split_gate_up_holds_three_stacked_tensors() -> None:
     whole = [n for n in MoE().tensor_sizes(fused, 1, 1)]
     assert len(split) == len(whole) + 1 and sum(split) == sum(whole)
     assert split[1:] == [24_576] * 3
+
+
+def test_per_op_sac_rerun_flops() -> None:
+    """The rerun's forward FLOPs per token of one MoE layer under torchtitan's per-op SAC
+    (tiny-moe, q/k/v apart): k (h kv = 2,048) and o (q h = 4,096), the router's gate (h E =
+    256), the routed experts' w1, w3 and w2 for k = 2 rows (3 x 2 x h f = 36,864): 43,264
+    weights x 2 = 86,528 (a dense layer: k, o and the MLP's up, h 176 = 11,264: 34,816)."""
+    from memplan.planning.timing import _sac_rerun_flops
+    from memplan.workload import SelectiveImpl
+
+    spec, wl, _ = _setup(recompute="selective")
+    wl = wl.model_copy(update={"selective_impl": SelectiveImpl.OP})
+    assert _sac_rerun_flops(spec, wl, True) == 86_528
+    assert _sac_rerun_flops(spec, wl, False) == 34_816
