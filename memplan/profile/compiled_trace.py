@@ -111,7 +111,7 @@ def _layer(config: dict, dtype_name: str, batch: int, seq: int):
         fields = dict(config["torchtitan"])
         float8 = fields.pop("float8", "none")
         cfg = torchtitan_config(**fields, seq_len=seq)
-        layer = cfg.layers[0].build().to(dtype)
+        layer = _titan_params_to(cfg.layers[0].build(), dtype)
         for param in layer.parameters():  # its own init needs the model's; any values do
             torch.nn.init.normal_(param, std=0.02)
         if float8 != "none":  # torchao's Float8Linear on its linears (torchtitan's converter)
@@ -137,6 +137,23 @@ def _layer(config: dict, dtype_name: str, batch: int, seq: int):
     return layer, run, x
 
 
+def _titan_params_to(module: Any, dtype: Any) -> Any:
+    """``module`` (torchtitan's) with its parameters cast to ``dtype`` and its buffers as
+    torchtitan 0.3.0 holds them: the Llama3 RoPE cache complex64
+    (models/common/rope.py ``ComplexRoPE._precompute_cache``: ``.float()`` then
+    ``torch.polar``), Qwen3's cos/sin cache fp32 (``CosSinRoPE._precompute_cache``), the MoE
+    counters fp32 (models/common/moe.py ``MoE.__init__``, ``_init_self_buffers``).
+    torchtitan never casts a buffer: FSDP2's ``MixedPrecisionPolicy`` casts parameters
+    only, and under ``training.dtype`` bfloat16 (trainer.py ``Trainer.__init__``: the model
+    built on meta inside ``set_default_dtype``) ``init_weights`` recomputes the buffers after
+    ``to_empty`` with those explicit dtypes. ``nn.Module.to(dtype)`` would cast them too
+    (torch 2.13 nn/modules/module.py ``Module.to``: ``convert`` casts complex tensors to a
+    real dtype, dropping the imaginary part)."""
+    for param in module.parameters():
+        param.data = param.data.to(dtype)
+    return module
+
+
 def _titan_moe_block(fields: dict, dtype, batch: int, seq: int):
     """torchtitan's Qwen3 MoE block (``memplan.profile.frameworks.torchtitan_moe_config``'s
     keywords, routing held balanced) in ``dtype``, its buffers fp32 as ``init_states`` makes
@@ -148,10 +165,7 @@ def _titan_moe_block(fields: dict, dtype, batch: int, seq: int):
 
     torch._dynamo.config.capture_scalar_outputs = True
     cfg = torchtitan_moe_config(**fields, seq_len=seq)
-    layer = cfg.layers[0].build().to(dtype)
-    for name, buffer in layer.named_buffers():
-        if name.startswith("moe."):  # expert_bias_E, tokens_per_expert_E: fp32
-            buffer.data = buffer.data.float()
+    layer = _titan_params_to(cfg.layers[0].build(), dtype)  # expert counters, cache: fp32
     for param in layer.parameters():
         torch.nn.init.normal_(param, std=0.02)
     _titan_router_fp32(layer)
@@ -197,7 +211,7 @@ def _tp_block(fields: dict, dtype, batch: int, seq: int):
     with torch.device("cpu"):
         model = cfg.build()
     model.init_states(buffer_device=torch.device("cpu"))
-    model = model.to(dtype)
+    model = _titan_params_to(model, dtype)
     if float8 == "tensorwise":
         _float8(model, float8, False)
         _float8_tp_plan(model, sp)

@@ -1220,3 +1220,35 @@ def test_compiled_titan_moe_block_phase_peaks() -> None:
                                                            gpu_realize=True)
     assert kind.forward_peak_bytes - stream == traced_forward == 656_400
     assert _model_backward(kind, groups, 2) - stream - traced_backward == -8_048
+
+
+@pytest.mark.parametrize("config,dtype,cache_dtype,cache_bytes", [
+    (TITAN, "bfloat16", "complex64", 8_192), (TITAN, "float32", "complex64", 8_192),
+    (TITAN_MOE, "bfloat16", "float32", 16_384)])
+def test_titan_block_keeps_its_rope_cache(config: dict, dtype: str, cache_dtype: str,
+                                          cache_bytes: int) -> None:
+    """The harness casts torchtitan's parameters only: its RoPE cache stays as 0.3.0's
+    ``init_states`` makes it under FSDP's bf16 policy or ``training.dtype`` bfloat16
+    (``compiled_trace._titan_params_to``), never cast to a real dtype (``nn.Module.to``
+    would drop the imaginary part). Llama3's complex cache: 64 positions x 16 pairs x 8 B =
+    8,192 B; Qwen3's cos/sin cache: 64 x (2 x 32) x 4 B = 16,384 B; memplan's
+    ``rope_buffer_bytes`` ("layer", "layer-cossin") the same for one layer."""
+    import warnings
+
+    from memplan.model.attention import rope_buffer_bytes
+    from memplan.profile.compiled_trace import _layer
+    from memplan.profile.frameworks import torchtitan_moe_config, torchtitan_moe_spec
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*discards the imaginary part")
+        layer, _, _ = _layer(config, dtype, BATCH, SEQ)
+    (cache,) = [b for n, b in layer.named_buffers() if n.endswith("rope.cache")]
+    assert str(cache.dtype) == f"torch.{cache_dtype}"
+    assert cache.nbytes == cache_bytes
+    if "torchtitan_moe" in config:
+        cfg = torchtitan_moe_config(**config["torchtitan_moe"], seq_len=SEQ)
+        spec, rope = torchtitan_moe_spec(cfg, "qwen3-moe-toy"), "layer-cossin"
+    else:
+        spec, rope = _spec("torchtitan", True), "layer"
+    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, compile=True, rope_cache=rope)
+    assert rope_buffer_bytes(spec, wl, 1) == cache_bytes
