@@ -802,12 +802,10 @@ def _compile_post_norm_refusal(spec: ModelSpec, wl: Workload) -> str | None:
 
 def _titan_moe_rule(spec: ModelSpec, wl: Workload) -> None:
     """torchtitan's MoE block (``moe_impl titan``, ``memplan.model.moe_titan``): what it
-    cannot run of the spec's MoE (``moe_titan.refusal``), and op-level checkpointing or a
+    cannot run of the spec's MoE (``titan_moe_refusal``), and op-level checkpointing or a
     selective AC other than torchtitan's per-op SAC over it (``moe_titan.sac_terms`` models
     the latter alone)."""
-    from memplan.model import moe_titan  # (memplan.model imports this module)
-
-    why = moe_titan.refusal(spec)
+    why = presets.titan_moe_refusal(spec)
     if why is None and (wl.recompute is Recompute.OPS or (
             wl.recompute is Recompute.SELECTIVE and wl.selective_impl.value != "op")):
         why = (f"moe_impl titan with recompute {wl.recompute.value} (torchtitan's MoE "

@@ -118,13 +118,28 @@ def _hf_cache(spec: ModelSpec) -> bool:
     return spec.use_cache
 
 
-def _titan_moe(spec: ModelSpec) -> str:
-    # torchtitan's own block where it can express the spec's MoE (memplan.model.moe_titan.
-    # refusal: no shared-expert gate, no clamped or every-expert or parallel experts, gated
-    # experts); memplan's reference loop otherwise, as before torchtitan's block was modelled
-    from memplan.model import moe_titan
+def titan_moe_refusal(spec: ModelSpec) -> str | None:
+    """What torchtitan's MoE block cannot run of the spec's, or None: a shared-expert gate
+    (``MoE.forward`` adds the shared output as it is), GPT-OSS's clamped experts (its own
+    GptOssGroupedExperts), Llama 4's every-expert MoE, Granite's parallel experts."""
+    moe = spec.moe
+    assert moe is not None, "an MoE block needs spec.moe"
+    for field, why in (("shared_expert_gate", "no sigmoid gate on its shared experts"),
+                       ("clamped_swiglu", "GroupedExperts' plain SwiGLU"),
+                       ("every_expert", "top-k routing"),
+                       ("parallel_experts", "stacked GroupedExperts")):
+        if getattr(moe, field):
+            return f"moe_impl titan with moe.{field} (torchtitan 0.3.0's MoE: {why})"
+    if not spec.mlp.gated:
+        return "moe_impl titan with ungated experts (GroupedExperts: silu(w1 x) * w3 x)"
+    return None
 
-    if spec.moe is None or moe_titan.refusal(spec) is None:
+
+def _titan_moe(spec: ModelSpec) -> str:
+    # torchtitan's own block where it can express the spec's MoE (titan_moe_refusal: no
+    # shared-expert gate, no clamped or every-expert or parallel experts, gated experts);
+    # memplan's reference loop otherwise, as before torchtitan's block was modelled
+    if spec.moe is None or titan_moe_refusal(spec) is None:
         return "titan"
     return "loop"
 

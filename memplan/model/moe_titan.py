@@ -42,6 +42,7 @@ from functools import lru_cache
 from memplan.errors import LayoutError
 from memplan.model import mlp, sac
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
+from memplan.presets import titan_moe_refusal
 from memplan.spec import ModelSpec, MoESpec
 from memplan.units import DType
 from memplan.workload import MoeImpl, Workload
@@ -59,19 +60,10 @@ def _moe(spec: ModelSpec) -> MoESpec:
 
 
 def refusal(spec: ModelSpec) -> str | None:
-    """What torchtitan's MoE block cannot run of the spec's, or None: a shared-expert gate
-    (``MoE.forward`` adds the shared output as it is), GPT-OSS's clamped experts (its own
-    GptOssGroupedExperts), Llama 4's every-expert MoE, Granite's parallel experts."""
-    moe = _moe(spec)
-    for field, why in (("shared_expert_gate", "no sigmoid gate on its shared experts"),
-                       ("clamped_swiglu", "GroupedExperts' plain SwiGLU"),
-                       ("every_expert", "top-k routing"),
-                       ("parallel_experts", "stacked GroupedExperts")):
-        if getattr(moe, field):
-            return f"moe_impl titan with moe.{field} (torchtitan 0.3.0's MoE: {why})"
-    if not spec.mlp.gated:
-        return "moe_impl titan with ungated experts (GroupedExperts: silu(w1 x) * w3 x)"
-    return None
+    """What torchtitan's MoE block cannot run of the spec's, or None
+    (``memplan.presets.titan_moe_refusal``, where the preset and the layout checks read it
+    without this module)."""
+    return titan_moe_refusal(spec)
 
 
 def check(spec: ModelSpec) -> None:
