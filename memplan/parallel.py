@@ -706,9 +706,9 @@ def _compile_autocast_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     (models/llama3/parallelize.py: AC applied, then ``apply_compile``), at 2 x 256 and
     2 x 1,024 tokens: recompute none with separate q/k/v, and full with either, saved set and
     backward peak exact, forward peak 5,056 B under (the CPU generator's state); and
-    torchtitan's per-op SAC with fused wqkv (``compiled.autocast_sac_deferred``), exact. A
-    fused projection without recompute and per-op SAC with separate q/k/v are refused:
-    traced, not modelled (their backward peaks at the attention's backward at 2 x 256)."""
+    torchtitan's per-op SAC with wqkv fused or not (``compiled.autocast_sac_deferred``),
+    exact. A fused projection without recompute is refused: traced, not modelled (its
+    backward peaks at the attention's backward at 2 x 256)."""
     odd = [(spec.norm.value != "rmsnorm", "LayerNorm"),
            (spec.position.value != "rope" or spec.rope_complex or spec.rope_keeps_dtype
             or spec.rope_interleaved or spec.rope_half_tables or spec.rope_per_layer_type
@@ -731,10 +731,6 @@ def _compile_autocast_refusal(spec: ModelSpec, wl: Workload) -> str | None:
            (spec.mlp.value != "swiglu" or spec.fused_gate_up
             or spec.activation_impl.value != "kernel",
             "an MLP other than SwiGLU with separate gate and up projections"),
-           # per-op SAC with separate q/k/v at 2 x 256: the backward peaks at SDPA's
-           # backward, above the MLP kernel's moment (``compiled.autocast_sac_deferred``)
-           (wl.recompute is Recompute.SELECTIVE and not (spec.fused_qkv or wl.fused_qkv),
-            "recompute selective with separate q/k/v projections"),
            (wl.recompute is Recompute.FULL and wl.compile_in_checkpoint,
             "the activation checkpoint around the compiled layer (compile_in_checkpoint)"),
            (bool(wl.lora_rank), "LoRA adapters"),

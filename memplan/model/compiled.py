@@ -602,10 +602,10 @@ def sac_deferred(moments: Sequence[LayerMoment], rebuilt: Sequence[Term],
 
 
 def autocast_sac_deferred(moments: Sequence[LayerMoment], spec: ModelSpec, dm: Dims,
-                          rebuilt: Sequence[Term], kept: Sequence[Term], fused_qkv: bool,
+                          rebuilt: Sequence[Term], kept: Sequence[Term],
                           ) -> tuple[LayerMoment, ...] | None:
-    """Per-op SAC compiled under autocast (fp32 weights, the checkpoint inside the graph, a
-    fused q/k/v projection; None elsewhere): the full recompute's moments with, at the MLP's
+    """Per-op SAC compiled under autocast (fp32 weights, the checkpoint inside the graph, q/k/v
+    fused or not; None elsewhere): the full recompute's moments with, at the MLP's
     kernel (``swiglu_moments``' ``mlp_act``), the attention side deferred as without
     autocast (``sac_deferred``: only the policy's kept attention outputs alive), and two of
     the rerun's weight casts changed: the gate projection's cast not made yet (its output
@@ -613,10 +613,11 @@ def autocast_sac_deferred(moments: Sequence[LayerMoment], spec: ModelSpec, dm: D
     matmul after the kernel), the output projection's made (its output is not kept: the
     rerun rebuilds it for the residual sum the MLP norm reads, and its cast is held for the
     attention output's gradient). Traced: tests/traced/test_compile_trace.py, torchtitan's
-    block, fused wqkv, 2 x 256 and 2 x 1,024 tokens, the backward's peak exact. With
-    separate q/k/v the peak at 2 x 256 is SDPA's backward (the rerun's k rebuilt beside
-    q's and v's kept outputs), 1.4% above this moment, not modelled."""
-    if not (dm.compiled and dm.autocast and fused_qkv):
+    block, wqkv fused or separate, 2 x 256 and 2 x 1,024 tokens, the backward's peak exact
+    (separate at 2 x 256: 7,161,856 B once SDPA's CPU backward counts as its outputs,
+    ``memplan.profile.compiled_trace``; its per-thread scratch had put the trace's peak
+    there, 1.4% above)."""
+    if not (dm.compiled and dm.autocast):
         return None
     gate_cast = spec.hidden_size * spec.ffn_hidden_size // dm.tp * dm.e
     out_cast = spec.hidden_size * spec.num_attention_heads * spec.head_dim // dm.tp * dm.e

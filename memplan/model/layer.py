@@ -597,8 +597,8 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
                                             kept)
             moments = compiled.with_attention_backward(moments, spec, wl, dm, kept)
         elif in_graph and (amp := compiled.autocast_sac_deferred(
-                moments, spec, dm, _attention_rebuilt(spec, wl, dm, variant), kept,
-                fused)) is not None:  # under autocast, the traced kernel
+                moments, spec, dm, _attention_rebuilt(spec, wl, dm, variant),
+                kept)) is not None:  # under autocast, the traced kernel
             moments = amp
         return full._replace(terms=full.terms + kept,
                              saved_bytes=full.saved_bytes + total(kept),

@@ -320,8 +320,9 @@ def test_compiled_autocast_titan_block_matches_trace(fuse_qkv: bool, checkpoint:
 
 @pytest.mark.parametrize("fuse_qkv,seq,saved,forward,backward,modelled", [
     (True, 256, 1_982_464, 3_162_112, 7_227_392, 7_227_392),
-    (False, 256, 1_916_928, 3_096_576, 7_262_464, 8_081_408),
-    (True, 1024, 7_929_856, 11_468_800, 27_336_704, 27_336_704)])
+    (False, 256, 1_916_928, 3_096_576, 7_161_856, 7_161_856),
+    (True, 1024, 7_929_856, 11_468_800, 27_336_704, 27_336_704),
+    (False, 1024, 7_667_712, 11_206_656, 27_074_560, 27_074_560)])
 def test_compiled_autocast_titan_block_under_per_op_sac(fuse_qkv: bool, seq: int, saved: int,
                                                         forward: int, backward: int,
                                                         modelled: int) -> None:
@@ -336,10 +337,11 @@ def test_compiled_autocast_titan_block_under_per_op_sac(fuse_qkv: bool, seq: int
     2,097,152, the incoming gradient's bf16 cast, the rebuilt output projection's output
     and the MLP norm's cast 1,048,576 each, wo's cast 131,072, the MLP norm's statistics
     8,192, up's cast 393,216, up's output, the product's gradient and the kernel's three
-    T x f outputs 3,145,728 each: 27,336,704). Separate q/k/v, still refused: the full
-    recompute's moments, 11.3% over; traced at SDPA's backward at 2 x 256 (at 2 x 1,024
-    at the MLP's kernel, 27,074,560, which ``autocast_sac_deferred`` would give)."""
-    from memplan.errors import LayoutError
+    T x f outputs 3,145,728 each: 27,336,704). Separate q/k/v: the same moment without
+    the fused projection's kept k (T = 512: 7,161,856, exact; at 2 x 1,024 27,074,560,
+    exact too), SDPA's CPU backward counted as its outputs (``memplan.profile.
+    compiled_trace``: its per-thread scratch had put the 2 x 256 trace's peak there, at
+    7,262,464)."""
     from memplan.model.layer import grad_group_params
     from memplan.parallel import validate
     from memplan.profile.compiled_trace import compiled_layer_step
@@ -353,11 +355,7 @@ def test_compiled_autocast_titan_block_under_per_op_sac(fuse_qkv: bool, seq: int
     wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="amp-bf16",
                   recompute=Recompute.SELECTIVE, compile=True, rope_cache="layer",
                   selective_impl="op")
-    if fuse_qkv:
-        validate(spec, ParallelConfig(), wl)  # no longer refused
-    else:
-        with pytest.raises(LayoutError, match="precision amp-bf16 and recompute selective"):
-            validate(spec, ParallelConfig(), wl)
+    validate(spec, ParallelConfig(), wl)  # not refused
     kind = layer_kind(spec, wl, Dims.of(spec, ParallelConfig(), wl), False,
                       Recompute.SELECTIVE)
     width = TITAN["torchtitan"]["dim"]

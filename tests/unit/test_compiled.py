@@ -161,8 +161,8 @@ def test_compiled_lora_layer_terms() -> None:
 
 @pytest.mark.parametrize(("model", "update", "why"), [
     ("mixtral-8x7b", {}, "MoE layers"),
-    ("tiny", {"precision": "amp-bf16", "recompute": "selective", "selective_impl": "op"},
-     "precision amp-bf16 and recompute selective"),
+    ("tiny", {"precision": "amp-bf16", "fused_qkv": True},
+     "precision amp-bf16 and a fused qkv projection without recompute"),
     ("tiny", {"precision": "amp-bf16", "lora_rank": 8}, "precision amp-bf16 and LoRA"),
     ("tiny", {"precision": "amp-fp16", "recompute": "full", "compile_in_checkpoint": True},
      "precision amp-fp16 and the activation checkpoint around"),
