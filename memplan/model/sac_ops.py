@@ -326,7 +326,8 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          "and the loop)"),
         (wl.moe_impl is MoeImpl.TITAN,
          "moe_impl titan (torchtitan's MoE block, models/common/moe.py: its ops are not "
-         "named one by one yet; modelled under recompute none and full)"),
+         "named one by one yet; modelled under recompute none, full and torchtitan's per-op "
+         "SAC)"),
         (wl.moe_impl is MoeImpl.LOOP and loop_refusal(spec, wl) is not None,
          loop_refusal(spec, wl) or ""),
         (moe.router_fp32 and not moe.shared_experts_last and wl.moe_impl is not MoeImpl.LOOP,
