@@ -949,7 +949,7 @@ def float8_gate_held(spec: ModelSpec, dm: Dims, linears: Sequence[linear.Linear]
 
 
 def float8_swiglu_casts(spec: ModelSpec, dm: Dims, linears: Sequence[linear.Linear],
-                        saved: int, wl: Workload) -> list[BackwardMoment]:
+                        saved: int) -> list[BackwardMoment]:
     """Compiled with torchao's ``Float8Linear``s on a SwiGLU MLP's own gate and up
     projections (``linears``: ``mlp.mlp_linears``), the moment after the down
     projection's grad-input ``_scaled_mm`` where Inductor's kernels recompute the
@@ -979,8 +979,12 @@ def float8_swiglu_casts(spec: ModelSpec, dm: Dims, linears: Sequence[linear.Line
     (``float8_rebuilt_casts``; 2 x 1,024 full: tensorwise 21,512,222 B traced, memplan
     18 B over, 2.7% under before; rowwise 26,248,196 B, 3,076 B under, 3.8% before); under
     per-op SAC, rowwise, the casts its rebuild holds instead (``float8_sac_mlp_casts``;
-    2 x 1,024: 4,092 B over, 5.0% under before); per-op SAC, tensorwise, the order Inductor
-    picks (``float8_sac_grad_in_first``). ``wl``: the workload (per-op SAC or not).
+    2 x 1,024: 4,092 B over, 5.0% under before); per-op SAC, tensorwise, the same two
+    kernels: Inductor keeps its baseline order there (torch/_inductor/memory.py
+    ``reorder_for_peak_memory``, torch 2.13; its log for torchtitan's block with its
+    complex64 RoPE table, 2 x 1,024: baseline 19,144,734 B, lpmf 19,374,128, bfs 24,223,776,
+    dfs 20,914,212; 2 x 256: 5,130,270 against 5,261,360, 6,473,760, 5,228,580): traced
+    21,504,030 B at 2 x 1,024, memplan 8,210 B over.
     None unconverted, tensor-parallel (untraced) or another MLP."""
     if not (spec.mlp is MlpKind.SWIGLU and not dm.float8_tp
             and float8_gate_held(spec, dm, linears)):
@@ -988,64 +992,10 @@ def float8_swiglu_casts(spec: ModelSpec, dm: Dims, linears: Sequence[linear.Line
     elements = dm.tokens * spec.ffn_hidden_size // dm.tp
     if dm.float8 is Float8Recipe.TENSORWISE:
         casts = 4 * (elements * linear.FLOAT8_BYTES + linear.FLOAT8_SCALE_BYTES)
-        first = float8_sac_grad_in_first(spec, wl, dm, linears)
-        if first is not None:
-            return [BackwardMoment("mlp_f8_act", saved, elements * dm.e + first, ())]
         return [BackwardMoment("mlp_f8_act", saved, elements * dm.e + casts, ("mlp_out",))]
     amaxes = 3 * dm.tokens * dm.e  # bf16 amaxes per row: the incoming gradient's, gate's, up's
     return [BackwardMoment("mlp_f8_act", saved, 2 * elements * dm.e + elements * FP32_BYTES
                            + elements * linear.FLOAT8_BYTES + amaxes, ())]
-
-
-def float8_sac_grad_in_first(spec: ModelSpec, wl: Workload, dm: Dims,
-                             linears: Sequence[linear.Linear]) -> int | None:
-    """Tensorwise ``Float8Linear``s on a SwiGLU MLP's own projections (``linears``: up, gate,
-    down as ``mlp.mlp_linears`` gives them) in a layer under torchtitan's per-op SAC with
-    fused q/k/v, compiled with the checkpoint inside the graph: what is alive at the MLP's
-    peak beside the saved set and the product's gradient (T x f) when Inductor's order runs
-    gate's and up's grad-input ``_scaled_mm``s before the attention's backward and the MLP's
-    weight gradients after it, or None where it keeps the order ``float8_swiglu_casts``
-    models (the four casts' kernel, then down's weight gradient first).
-
-    ``reorder_for_peak_memory`` (torch/_inductor/memory.py, torch 2.13) keeps the order of
-    the lowest estimated peak among the scheduler's own (``baseline``) and three topological
-    sorts; ``topological_sort_lpmf`` is this one. Its peak: up's grad-input ``_scaled_mm``
-    after the kernel writing gate's and up's dim-0 output-gradient casts (T x f float8
-    each, their scales), its output (T x h), the incoming gradient's dim-1 cast (T x h
-    float8, for down's weight gradient, written before the activation's kernel) and the
-    backward's transposed weight casts of gate, up and wqkv (``weight_hp_t`` through
-    ``hp_tensor_to_float8_dynamic`` with the saved amax, torchao 0.18.0 ``float8_linear.py``
-    ``matmul_with_hp_or_float8_args.backward``: graph inputs alone, written at the
-    backward's start, alive to their grad-input matmuls); no weight gradient yet. The
-    baseline's peak (``float8_swiglu_casts``): the two dim-1 casts (T x f float8) and
-    down's weight gradient in their place. Inductor's estimates are the real peaks but for
-    one input: the size of a freeable graph input is what its last reader in node order
-    reads (``get_freeable_input_buf``: ``dep_name_to_size`` overwritten per reader), and the
-    kept qkv output (T x (q + 2 kv)), read in slices, counts as one T x kv slice, T x
-    (q + kv) low where it is alive: at the baseline's peak, not at lpmf's (q, k and v
-    rebuilt from it before). Traced (benchmarks/compiled_backward.py, torchtitan's block,
-    Inductor's log of each method's estimate, ``TORCH_LOGS=+torch._inductor.memory``): 2 x
-    256 tokens baseline 5,130,270 B, lpmf 5,163,056 (memplan's two estimates 2,066 B above
-    each, the attention norm's statistics and scalars: baseline kept); 2 x 1,024 baseline
-    19,144,734, lpmf 18,980,912 (8,210 and 8,188 B above: lpmf picked, the trace's peak
-    20,029,488 B, memplan 8,188 B over, 7.4% over before). bfs and dfs estimated higher at
-    both sizes (not modelled)."""
-    up, gate, down = linears
-    if not (_per_op_sac(wl) and dm.rerun and not in_checkpoint(wl)
-            and (wl.fused_qkv or spec.fused_qkv) and linear.float8_converts(down, dm)):
-        return None
-    elements = dm.tokens * spec.ffn_hidden_size // dm.tp
-    q = spec.num_attention_heads * spec.head_dim // dm.tp
-    kv = spec.num_kv_heads * spec.head_dim // dm.tp
-    dim0 = 2 * (elements * linear.FLOAT8_BYTES + linear.FLOAT8_SCALE_BYTES)
-    weights = (up.d_in * up.d_out + gate.d_in * gate.d_out
-               + spec.hidden_size * (q + 2 * kv)) * linear.FLOAT8_BYTES
-    first = (dim0 + dm.rows * spec.hidden_size * dm.e + weights
-             + dm.tokens * down.d_out * linear.FLOAT8_BYTES + linear.FLOAT8_SCALE_BYTES)
-    # the baseline's: the four casts and down's weight gradient (in the stream's dtype)
-    baseline = 2 * dim0 + down.d_in * down.d_out * dm.stream_e
-    undersized = dm.tokens * (q + kv) * dm.e  # the kept qkv output in the baseline's estimate
-    return first if first < baseline - undersized else None
 
 
 def float8_tp_weights(prefix: str, linears: Sequence[linear.Linear], dm: Dims,

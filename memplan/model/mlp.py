@@ -572,11 +572,10 @@ class Mlp:
             moments.append(compiled.lora_mlp_backward(mlp_linears(spec, spec.ffn_hidden_size),
                                                       dm, total(terms)))
         kernels = (compiled.float8_swiglu_casts(  # Inductor's float8 kernels (a rerun's too)
-            spec, dm, mlp_linears(spec, spec.ffn_hidden_size), total(terms), wl)
+            spec, dm, mlp_linears(spec, spec.ffn_hidden_size), total(terms))
             if recompute is Recompute.NONE else [])
         # an eager Float8Linear's casts one by one, each with its working set: none where
-        # Inductor's kernels write them (traced: never the compiled block's peak but under
-        # per-op SAC, tensorwise, 2 x 1,024 tokens, 106,478 B over the trace's there)
+        # Inductor's kernels write them (no such moment is a traced compiled block's peak)
         return moments + kernels + ([] if kernels else _float8_backward(spec, dm, terms))
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
