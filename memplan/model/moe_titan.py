@@ -59,16 +59,11 @@ def _moe(spec: ModelSpec) -> MoESpec:
     return spec.moe
 
 
-def refusal(spec: ModelSpec) -> str | None:
-    """What torchtitan's MoE block cannot run of the spec's, or None
-    (``memplan.presets.titan_moe_refusal``, where the preset and the layout checks read it
-    without this module)."""
-    return titan_moe_refusal(spec)
-
-
 def check(spec: ModelSpec) -> None:
-    """Refuse, with a ``LayoutError`` naming the field, what ``refusal`` finds."""
-    why = refusal(spec)
+    """Refuse, with a ``LayoutError`` naming the field, what torchtitan's MoE block cannot run
+    of the spec's (``memplan.presets.titan_moe_refusal``, which the preset and the layout
+    checks read without this module)."""
+    why = titan_moe_refusal(spec)
     if why is not None:
         raise LayoutError("moe_impl titan runs torchtitan's MoE block", why)
 
