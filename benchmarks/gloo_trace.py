@@ -96,13 +96,13 @@ def _run(rank: int, out: Path, steps: int, lag_rank: int, lag_ms: float,
 
 
 def worker(rank: int, world: int, out: str, steps: int, runs: list[tuple[int, float]],
-           port: int, buckets: int, idle_ms: float, named: bool) -> None:
+           store: str, buckets: int, idle_ms: float, named: bool) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # one core per rank: the ranks do not fight over the CPUs
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file store in the output folder: no TCP port to find free (or to race another job for)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     for i, (lag_rank, lag_ms) in enumerate(runs):
         where = Path(out) / run_name(i, lag_rank, lag_ms) if named else Path(out)
         _run(rank, where, steps, lag_rank, lag_ms, buckets, idle_ms)
@@ -154,16 +154,17 @@ def main() -> None:
     ap.add_argument("--idle-ms", type=float, default=20.0,
                     help="every rank sleeps this long before each forward (a data wait)")
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--port", type=int, default=29533)
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    store = Path(args.out).resolve() / ".gloo_store"
+    store.unlink(missing_ok=True)  # a file store left by an earlier launch would be reused
     import multiprocessing as mp
 
     runs = _parse_runs(args.runs) if args.runs else [(1, args.lag_ms)]
     # spawned workers import torch; this process does not need to
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker, args=(rank, args.world, args.out, args.steps, runs,
-                                               args.port, args.buckets, args.idle_ms,
+                                               str(store), args.buckets, args.idle_ms,
                                                args.runs is not None))
              for rank in range(args.world)]
     for p in procs:

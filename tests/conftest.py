@@ -77,3 +77,29 @@ def _validator(jsonschema: Any) -> Any:
         jsonschema.Draft202012Validator.check_schema(schema)
         _VALIDATORS.append(jsonschema.Draft202012Validator(schema))
     return _VALIDATORS[0]
+
+
+# --- the suite split between processes (tests/run_suite.py) ---------------------------------
+# MEMPLAN_TEST_SHARD=k/n keeps the whole files tests/suite_split.py places in process k of n;
+# MEMPLAN_TEST_DURATIONS=PATH appends each test file's seconds there (run_suite.py --record).
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    shard = os.environ.get("MEMPLAN_TEST_SHARD")
+    if not shard:
+        return
+    import suite_split  # tests/suite_split.py
+
+    files = [item.nodeid.split("::")[0] for item in items]
+    keep = suite_split.select(files, suite_split.parse_shard(shard),
+                              suite_split.load_durations())
+    dropped = [item for item, f in zip(items, files) if f not in keep]
+    items[:] = [item for item, f in zip(items, files) if f in keep]
+    config.hook.pytest_deselected(items=dropped)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    out = os.environ.get("MEMPLAN_TEST_DURATIONS")
+    if out:
+        with open(out, "a") as f:
+            f.write(f"{report.nodeid}\t{report.when}\t{report.duration:.4f}\n")

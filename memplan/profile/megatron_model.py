@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -155,11 +154,6 @@ def _scale_in_place(chunk_size, noop_flag, tensor_lists, scale) -> None:
         torch.mul(src, scale, out=dst)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @contextlib.contextmanager
 def megatron_group() -> Iterator[None]:
@@ -169,8 +163,8 @@ def megatron_group() -> Iterator[None]:
 
     if dist.is_initialized():
         raise MemplanError("a process group is already initialised")
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # one rank: an in-process store, no TCP port to find free (or to race another job for)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         parallel_state.initialize_model_parallel(1, 1)
         yield

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 
 import pytest
 
@@ -30,11 +29,6 @@ from memplan.profile.tracker import MemoryTracker  # noqa: E402
 from memplan.spec import load_model  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def megatron_group():
@@ -42,8 +36,8 @@ def megatron_group():
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised")
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # one rank: an in-process store, no TCP port to find free (or to race another job for)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,11 +38,6 @@ def _bench():
     return mod
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -51,7 +45,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("gloo")
     spec = ",".join(f"{r}:{lag:g}" for r, lag in RUNS)
     subprocess.run([sys.executable, str(SCRIPT), str(out), "--runs", spec, "--steps", "6",
-                    "--buckets", "3", "--idle-ms", "20", "--port", str(_free_port())],
+                    "--buckets", "3", "--idle-ms", "20"],
                    check=True, capture_output=True, timeout=300)
     bench = _bench()
     return [(lag_rank, lag, out / bench.run_name(i, lag_rank, lag))

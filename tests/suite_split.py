@@ -1,0 +1,79 @@
+"""How ``tests/run_suite.py`` splits the suite between its processes: whole test files, placed
+by their recorded run time, the same way on every run.
+
+A file is never split: its module-scoped fixtures and module-level caches (a traced grid, a
+process group, a compiled model) are built once, in one process, and its tests run in the
+order they always run in. The placement is a pure function of the collected files and the
+durations committed in ``tests/data/test_durations.json``, so a given commit runs each file in
+the same process after the same files every time: no placement depends on timing or load.
+
+Longest file first, each to the process with the least recorded time so far (ties: the lower
+index); a file with no recorded time weighs its test count times the median recorded time
+per test.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Iterable, Mapping
+
+DURATIONS = Path(__file__).resolve().parent / "data" / "test_durations.json"
+
+
+def load_durations(path: Path = DURATIONS) -> dict[str, dict[str, float]]:
+    """``{file: {"seconds": s, "tests": n}}`` as last recorded, or nothing."""
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())["files"]
+
+
+def file_weights(counts: Mapping[str, int],
+                 recorded: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Seconds each collected file is expected to take: its recorded time, scaled by how many
+    of its recorded tests are selected now; else its test count times the median recorded
+    seconds per test (one second per test when nothing is recorded)."""
+    per_test = [r["seconds"] / r["tests"] for r in recorded.values() if r.get("tests")]
+    default = statistics.median(per_test) if per_test else 1.0
+    out = {}
+    for name, n in counts.items():
+        r = recorded.get(name)
+        out[name] = (r["seconds"] * min(1.0, n / r["tests"]) if r and r.get("tests")
+                     else n * default)
+    return out
+
+
+def assign(weights: Mapping[str, float], shards: int) -> dict[str, int]:
+    """The process (0 .. shards - 1) each file runs in: longest first to the least loaded."""
+    if shards < 1:
+        raise ValueError(f"shards must be at least 1, got {shards}")
+    load = [0.0] * shards
+    out: dict[str, int] = {}
+    for name in sorted(weights, key=lambda f: (-weights[f], f)):
+        k = min(range(shards), key=lambda i: (load[i], i))
+        out[name] = k
+        load[k] += weights[name]
+    return out
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"k/n"`` -> (k, n), 0 <= k < n."""
+    try:
+        k, n = (int(p) for p in text.split("/"))
+    except ValueError:
+        raise ValueError(f"MEMPLAN_TEST_SHARD must be k/n (e.g. 0/2), got {text!r}") from None
+    if not 0 <= k < n:
+        raise ValueError(f"MEMPLAN_TEST_SHARD {text!r}: need 0 <= k < n")
+    return k, n
+
+
+def select(files: Iterable[str], shard: tuple[int, int],
+           recorded: Mapping[str, Mapping[str, float]]) -> set[str]:
+    """The files (one entry per collected test, repeated) that ``shard`` runs."""
+    counts: dict[str, int] = {}
+    for f in files:
+        counts[f] = counts.get(f, 0) + 1
+    k, n = shard
+    placed = assign(file_weights(counts, recorded), n)
+    return {f for f, i in placed.items() if i == k}
