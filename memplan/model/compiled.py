@@ -673,12 +673,14 @@ def attention_backward_moments(spec: ModelSpec, dm: Dims, kept: Sequence[Term] |
     table's conjugate resolved into a copy inside ``aten.mul``, a fallback kernel: complex
     ops are not lowered); then dq's product beside the fused q/k/v gradient (T x (q + 2 kv)).
     Buffer reuse holds a freed buffer to a later allocation of its bytes and dtype only where
-    that does not raise Inductor's own peak estimate (``AllocateLine.should_reuse_buffer``),
-    which memplan does not compute: the holds counted are those traced at every size. At
-    2 x 64 tokens under full AC one more was, the MLP's up-projection gradient (T x f) held
-    for the q/k/v weight gradient, of the same bytes at that size alone: under by it there
-    (-8.7%). Traced: full AC exact at 2 x 96 tokens; per-op SAC exact at 2 x 64, at 2 x 96
-    under by the MLP norm backward's statistics (T fp32), held by reuse there alone."""
+    that does not raise Inductor's own peak estimate (``AllocateLine.should_reuse_buffer``):
+    under full AC memplan applies that check to the SDPA output's gradient
+    (``with_sdpa_grad_reuse``); the other holds counted are those traced at every size.
+    Traced before the block kept its complex64 RoPE table (the trace harness cast it to a
+    real one): full AC exact at 2 x 96 tokens, at 2 x
+    64 one more hold, the MLP's up-projection gradient (T x f) for the q/k/v weight
+    gradient, of the same bytes at that size alone (-8.7%); per-op SAC exact at 2 x 64, at
+    2 x 96 under by the MLP norm backward's statistics (T fp32), held by reuse there alone."""
     th = dm.rows * spec.hidden_size * dm.e
     q = dm.tokens * spec.num_attention_heads * spec.head_dim * dm.e
     kv = dm.tokens * spec.num_kv_heads * spec.head_dim * dm.e
@@ -713,11 +715,12 @@ def with_sdpa_grad_reuse(moments: Sequence[LayerMoment], spec: ModelSpec, dm: Di
     (dq's fp32 upcast, ``compute_memory_timeline``) while its storage lives to dv's reader
     (the output tuple freed then); the graph's peak is the largest other moment (the MLP's
     kernel, traced). The held output (outside the graph) counts at both, and so do the RoPE
-    table's fallbacks: the rerun's ``reshape`` and the backward's ``reshape`` and ``_conj``
-    are each estimated at twice the table and freed once (``compute_size_for_scheduler_
-    buffer``: a ``MultiOutputLayout`` buffer allocates its users' bytes, freeing none), one
-    table left at the MLP's kernel before the ``_conj``, and at the RoPE backward one per
-    ``reshape`` (the ``_conj``'s ``clone`` is real, in the moment as the table). So: held
+    table's fallbacks (complex ops are not lowered): the rerun's ``reshape`` and the
+    backward's ``_conj`` are each estimated at twice the table and freed once
+    (``compute_size_for_scheduler_buffer``: a ``MultiOutputLayout`` buffer allocates its
+    users' bytes, freeing none): two tables at the MLP's kernel (the ``reshape``'s, read
+    by the ``_conj`` later), one of each at the RoPE backward (the ``_conj``'s ``clone`` is
+    real, in the moment as the table). So: held
     where ``attention_rope`` less dq is no larger than every other moment. Traced
     (benchmarks/compiled_backward.py, torchtitan's block, Inductor's decision logged): 2 x 96
     tokens, estimates 2,250,240 + 98,304 > 2,342,400: freed (memplan's 2,520,576 - 98,304 =
@@ -1041,7 +1044,8 @@ def float8_swiglu_casts(spec: ModelSpec, wl: Workload, dm: Dims,
         casts = 4 * (elements * linear.FLOAT8_BYTES + linear.FLOAT8_SCALE_BYTES)
         first = float8_lpmf_grad_in_first(spec, wl, dm, linears)
         down_grad = spec.hidden_size * spec.ffn_hidden_size // dm.tp * dm.stream_e
-        if first is not None and first + 2 * _rope_table_bytes(spec, dm) < casts + down_grad:
+        baseline = 4 * elements * linear.FLOAT8_BYTES + float8_lpmf_scalars(dm)[1] + down_grad
+        if first is not None and first + 2 * _rope_table_bytes(spec, dm) < baseline:
             return [BackwardMoment("mlp_f8_act", saved, elements * dm.e + first, ())]
         return [BackwardMoment("mlp_f8_act", saved, elements * dm.e + casts, ("mlp_out",))]
     amaxes = 3 * dm.tokens * dm.e  # bf16 amaxes per row: the incoming gradient's, gate's, up's
@@ -1072,17 +1076,18 @@ def float8_lpmf_grad_in_first(spec: ModelSpec, wl: Workload, dm: Dims,
     RoPE table's ``_conj`` resolved into a ``clone`` (complex ops fall back, not lowered);
     then down's grad-input, the kernel writing gate's and up's dim-0 output-gradient casts
     (T x f float8 and a scale each), and up's grad-input ``_scaled_mm`` (T x h): the peak,
-    no weight gradient made, down's weight cast freed. Inductor's estimate of it is this
-    plus twice the table: the ``reshape`` and ``_conj`` fallbacks are each estimated at two
-    tables and freed as one (``compute_size_for_scheduler_buffer``: a ``MultiOutputLayout``
-    buffer allocates its users' bytes, frees none); the baseline's, its moment (both less
-    the held output, outside the graph). Traced (benchmarks/compiled_backward.py,
-    torchtitan's block, Inductor's log): 2 x 1,024 tokens baseline 19,873,832 B, lpmf
-    19,382,334 (memplan's: 19,873,850 and 19,382,322): lpmf kept, its peak 20,168,766 B,
-    memplan 12 B under (3.7% over before); 2 x 64 the baseline (memplan's lpmf estimate
-    122,874 B above). With fused wqkv lpmf runs the attention's backward before the MLP's
-    grad-input matmuls and its estimate peaks there (2 x 1,024: 20,627,492 B against the
-    baseline's 19,873,820): the baseline kept, None here."""
+    no weight gradient made, down's weight cast freed; and the scalars
+    (``float8_lpmf_scalars``). Inductor's estimate of it is this plus twice the table: the
+    ``reshape`` and ``_conj`` fallbacks are each estimated at two tables and freed as one
+    (``compute_size_for_scheduler_buffer``: a ``MultiOutputLayout`` buffer allocates its
+    users' bytes, frees none); the baseline's, its moment (both less the held output, outside
+    the graph). Traced (benchmarks/compiled_backward.py, torchtitan's block, Inductor's
+    log): 2 x 1,024 tokens lpmf 491,498 B below the baseline (19,382,334 against
+    19,873,832; memplan's the same): lpmf kept, its peak 20,168,766 B, memplan exact (3.7%
+    over before); 2 x 256 lpmf 22 B above (5,263,422; memplan's the same): the baseline; 2 x
+    64 the baseline (memplan's lpmf 122,902 B above). With fused wqkv lpmf runs the
+    attention's backward before the MLP's grad-input matmuls and its estimate peaks there
+    (2 x 1,024: 20,627,492 B against the baseline's 19,873,820): the baseline, None here."""
     h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size  # ``attention.attention_linears``
     attn = (linear.Linear("q", "attn", h, q), linear.Linear("k", "attn", h, kv),
             linear.Linear("v", "attn", h, kv), linear.Linear("o", "attn_out", q, h))
@@ -1093,10 +1098,27 @@ def float8_lpmf_grad_in_first(spec: ModelSpec, wl: Workload, dm: Dims,
         return None
     elements = dm.tokens * spec.ffn_hidden_size
     weights = sum(lin.d_in * lin.d_out for lin in (*attn, *linears[:-1]))
-    casts = (2 * (elements * linear.FLOAT8_BYTES + linear.FLOAT8_SCALE_BYTES)  # dim-0 casts
-             + dm.tokens * (q + h) * linear.FLOAT8_BYTES)
+    casts = (2 * elements + dm.tokens * (q + h)) * linear.FLOAT8_BYTES  # gate, up: dim 0
     return (casts + weights * linear.FLOAT8_BYTES + dm.tokens * h * dm.e
-            + _rope_table_bytes(spec, dm))
+            + _rope_table_bytes(spec, dm) + float8_lpmf_scalars(dm)[0])
+
+
+def float8_lpmf_scalars(dm: Dims) -> tuple[int, int]:
+    """(lpmf's, the baseline's) tensorwise scalars beyond the saved set (each projection's
+    weight amax, in the weights' dtype, and inverse scale, fp32: torchao 0.18.0
+    ``float8_linear.py``) at the moments ``float8_lpmf_grad_in_first`` and
+    ``float8_swiglu_casts`` model in torchtitan's block (separate q/k/v, SwiGLU: seven
+    ``Float8Linear``s). Each tensorwise cast reduces an amax (the tensor's dtype) to an fp32
+    scale (``tensor_to_scale``). lpmf: the seven weights' amaxes read by their casts and
+    down's inverse scale by its matmul, freed; seven scales written (the incoming
+    gradient's, SDPA output's, both norm outputs', the product's, gate's and up's output
+    gradients'), five amaxes alive (two of the seven written into the buffers of two read
+    before: Inductor's reuse). The baseline: down's amax and inverse scale freed, gate's and
+    up's gradients' amaxes written, no scale yet (``float8_swiglu_casts`` counts four, 18 B
+    over the trace). Traced (the output code at 2 x 1,024): 62 and 40 B beside the saved
+    set's 42: +20 and -2."""
+    scale = linear.FLOAT8_SCALE_BYTES
+    return 7 * scale + 5 * dm.e - 7 * dm.e - scale, 2 * dm.e - dm.e - scale
 
 
 def float8_tp_weights(prefix: str, linears: Sequence[linear.Linear], dm: Dims,

@@ -727,21 +727,28 @@ def _titan_toy(seq: int, fused: bool) -> ModelSpec:
         update={"fused_qkv": fused})
 
 
-@pytest.mark.parametrize("seq,fused,first,lpmf", [(1024, False, 5_931_016, True),
-                                                  (64, False, 892_936, False),
+@pytest.mark.parametrize("seq,fused,first,lpmf", [(1024, False, 5_931_028, True),
+                                                  (256, False, 1_900_564, False),
+                                                  (64, False, 892_948, False),
                                                   (1024, True, None, False)])
 def test_float8_lpmf_grad_in_first(seq: int, fused: bool, first: int | None,
                                    lpmf: bool) -> None:
     """Tensorwise Float8Linears, compiled, no recompute (``compiled.float8_lpmf_grad_in_
     first``): beyond the saved set and the product's gradient, lpmf's moment holds gate's and
-    up's dim-0 casts 2 x (T x 768 + 4), the casts of SDPA's output and the incoming
-    gradient T x (256 + 256), the transposed float8 weights of q, k, v, o, gate, up
-    256 x (256 + 64 + 64 + 256 + 768 + 768) = 557,056, up's input gradient T x 256 x 2 and
-    the RoPE table's conjugate seq x 16 x 8. 2 x 1,024 (T 2,048): 3,145,736 + 1,048,576 +
-    557,056 + 1,048,576 + 131,072 = 5,931,016; Inductor's estimate adds two tables:
-    6,193,160 < the baseline's four casts 4 x 1,572,868 and down's weight gradient
-    256 x 768 x 2: 6,684,688: lpmf. 2 x 64 (T 128): 196,616 + 65,536 + 557,056 + 65,536 +
-    8,192 = 892,936, 909,320 > 786,448: the baseline. Fused wqkv: None (not traced as lpmf)."""
+    up's dim-0 casts 2 x T x 768, the casts of SDPA's output and the incoming gradient
+    T x (256 + 256), the transposed float8 weights of q, k, v, o, gate, up 256 x (256 + 64 +
+    64 + 256 + 768 + 768) = 557,056, up's input gradient T x 256 x 2, the RoPE table's
+    conjugate seq x 16 x 8 and the scalars: seven fp32 scales and five bf16 amaxes written,
+    seven bf16 weight amaxes and a 4 B inverse scale freed: 28 + 10 - 14 - 4 = 20. Inductor's
+    estimate adds two tables; the baseline's: the four T x 768 casts, down's weight gradient
+    256 x 768 x 2 = 393,216 and its scalars, 4 - 2 - 4 = -2.
+    2 x 1,024 (T 2,048): 3,145,728 + 1,048,576 + 557,056 + 1,048,576 + 131,072 + 20 =
+    5,931,028; + 262,144 = 6,193,172 against 6,291,456 - 2 + 393,216 = 6,684,670: lpmf,
+    491,498 B below (Inductor's log: 491,498). 2 x 256 (T 512): 786,432 + 262,144 + 557,056 +
+    262,144 + 32,768 + 20 = 1,900,564; + 65,536 = 1,966,100 against 1,572,862 + 393,216 =
+    1,966,078: the baseline, 22 B below (Inductor's log: 22). 2 x 64 (T 128): 196,608 +
+    65,536 + 557,056 + 65,536 + 8,192 + 20 = 892,948; + 16,384 against 786,430: the
+    baseline. Fused wqkv: None (lpmf's estimate peaks elsewhere there)."""
     from memplan.model import compiled
     from memplan.model.mlp import mlp_linears
 
