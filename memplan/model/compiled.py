@@ -1020,8 +1020,12 @@ def float8_swiglu_casts(spec: ModelSpec, wl: Workload, dm: Dims,
       weight's gradient, up's output gradient (bf16) and gate's (fp32: ``silu_backward``'s
       upcast result, read again by the column amax's kernel and the casts') and the two
       row amaxes, beside the product's gradient and the incoming gradient's row amax:
-      4.5 T x f x 2 B, before any weight gradient (25,266,180 B traced, memplan 6,148 B
-      under: the weights' amaxes, hoisted to the backward's start).
+      4.5 T x f x 2 B, before any weight gradient (25,266,180 B traced with the RoPE table
+      cast to a real one, memplan 6,148 B under: the weights' amaxes, hoisted to the
+      backward's start). With the complex64 table Inductor keeps ``topological_sort_dfs``'s
+      order (its log: baseline 24,739,332 B, dfs 24,478,212, bfs 24,480,260), which also
+      holds the output projection's and up's transposed weight casts (65,536 + 196,608)
+      there: 25,526,788 B traced, memplan 266,756 B under (-1.05%), not modelled.
     Rebuilt (full recompute, per-op SAC: the checkpoint inside the graph) the same kernels
     beside the rebuilt set, which also holds the backward's casts written in the rebuild
     (``float8_rebuilt_casts``; 2 x 1,024 full: tensorwise 21,512,222 B traced, memplan
