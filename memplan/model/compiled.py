@@ -75,7 +75,7 @@ fp32 ``tanh``, which a GPU's lowering inlines).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from memplan.model import linear
@@ -673,12 +673,14 @@ def attention_backward_moments(spec: ModelSpec, dm: Dims, kept: Sequence[Term] |
     table's conjugate resolved into a copy inside ``aten.mul``, a fallback kernel: complex
     ops are not lowered); then dq's product beside the fused q/k/v gradient (T x (q + 2 kv)).
     Buffer reuse holds a freed buffer to a later allocation of its bytes and dtype only where
-    that does not raise Inductor's own peak estimate (``AllocateLine.should_reuse_buffer``),
-    which memplan does not compute: the holds counted are those traced at every size. At
-    2 x 64 tokens under full AC one more was, the MLP's up-projection gradient (T x f) held
-    for the q/k/v weight gradient, of the same bytes at that size alone: under by it there
-    (-8.7%). Traced: full AC exact at 2 x 96 tokens; per-op SAC exact at 2 x 64, at 2 x 96
-    under by the MLP norm backward's statistics (T fp32), held by reuse there alone."""
+    that does not raise Inductor's own peak estimate (``AllocateLine.should_reuse_buffer``):
+    under full AC memplan applies that check to the SDPA output's gradient
+    (``with_sdpa_grad_reuse``); the other holds counted are those traced at every size.
+    Traced before the block kept its complex64 RoPE table (the trace harness cast it to a
+    real one): full AC exact at 2 x 96 tokens, at 2 x
+    64 one more hold, the MLP's up-projection gradient (T x f) for the q/k/v weight
+    gradient, of the same bytes at that size alone (-8.7%); per-op SAC exact at 2 x 64, at
+    2 x 96 under by the MLP norm backward's statistics (T fp32), held by reuse there alone."""
     th = dm.rows * spec.hidden_size * dm.e
     q = dm.tokens * spec.num_attention_heads * spec.head_dim * dm.e
     kv = dm.tokens * spec.num_kv_heads * spec.head_dim * dm.e
@@ -696,6 +698,52 @@ def attention_backward_moments(spec: ModelSpec, dm: Dims, kept: Sequence[Term] |
     # (name, alive, transient, the gradients made before: ``layer.LayerMoment``'s first four)
     return [("attention_rope", alive, th + q + 2 * kv + 2 * q32 + table, ("mlp",)),
             ("attention_qkv", alive, th + q + 2 * kv + q32 + q + 2 * kv, ("mlp",))]
+
+
+def with_sdpa_grad_reuse(moments: Sequence[LayerMoment], spec: ModelSpec, dm: Dims,
+                         groups: Mapping[str, int]) -> list[LayerMoment]:
+    """Full AC's ``attention_backward_moments`` in ``moments`` (a layer's, ``groups``: its
+    gradient groups' parameters, ``layer.grad_group_params``), less the SDPA output's
+    gradient (T x q) where Inductor's wrapper frees it after SDPA's backward instead of
+    holding it for the q/k/v input gradient. ``AllocateLine.plan`` (torch/_inductor/codegen/
+    wrapper.py, torch 2.13) takes a freed buffer of the same key for a later allocation only
+    if ``should_reuse_buffer``: the buffer's bytes plus ``EfficientPeakEstimate``'s largest
+    per-node estimate between the free and the allocation (``peak_between``) do not exceed
+    the graph's estimated peak (torch/_inductor/memory.py ``estimate_peak_memory``). Against
+    memplan's moments (the real bytes): the window is the RoPE backward, whose estimate
+    leaves out dq (T x q), a ``MultiOutput`` of SDPA's backward freed after its last reader
+    (dq's fp32 upcast, ``compute_memory_timeline``) while its storage lives to dv's reader
+    (the output tuple freed then); the graph's peak is the largest other moment (the MLP's
+    kernel, traced). The held output (outside the graph) counts at both, and so do the RoPE
+    table's fallbacks (complex ops are not lowered): the rerun's ``reshape`` and the
+    backward's ``_conj`` are each estimated at twice the table and freed once
+    (``compute_size_for_scheduler_buffer``: a ``MultiOutputLayout`` buffer allocates its
+    users' bytes, freeing none): two tables at the MLP's kernel (the ``reshape``'s, read
+    by the ``_conj`` later), one of each at the RoPE backward (the ``_conj``'s ``clone`` is
+    real, in the moment as the table). So: held
+    where ``attention_rope`` less dq is no larger than every other moment. Traced
+    (benchmarks/compiled_backward.py, torchtitan's block, Inductor's decision logged): 2 x 96
+    tokens, estimates 2,250,240 + 98,304 > 2,342,400: freed (memplan's 2,520,576 - 98,304 =
+    2,422,272 B against the MLP kernel's 2,416,128: the trace 2,422,272, exact; 4.1% over
+    before); with the table cast to a real one (no ``_conj``; the conjugate made inside
+    ``aten.mul``, no estimate) 2,213,376 + 98,304 <= 2,317,824: held; 2 x 1,024 held (the
+    MLP's kernel far above). At 2 x 64 Inductor holds it (1,434,624 + 65,536 <= 1,852,416):
+    its order there defers the MLP's weight gradients to the end, not memplan's moments,
+    which free it (memplan 5.6% over the trace, 9.1% before)."""
+    rope = next((m for m in moments if m.name == "attention_rope"), None)
+    if rope is None:
+        return list(moments)
+
+    def size(m: LayerMoment) -> int:
+        return m.alive_bytes + m.transient_bytes + dm.stream_e * sum(
+            groups[g] for g in m.grads_before)
+
+    q = dm.tokens * spec.num_attention_heads * spec.head_dim * dm.e
+    others = [size(m) for m in moments if m.name not in ("attention_rope", "attention_qkv")]
+    if size(rope) - q <= max(others, default=0):
+        return list(moments)
+    return [m._replace(alive_bytes=m.alive_bytes - q)
+            if m.name in ("attention_rope", "attention_qkv") else m for m in moments]
 
 
 def with_attention_backward(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
@@ -948,8 +996,8 @@ def float8_gate_held(spec: ModelSpec, dm: Dims, linears: Sequence[linear.Linear]
             and all(linear.float8_converts(lin, dm) for lin in linears[:-1]))
 
 
-def float8_swiglu_casts(spec: ModelSpec, dm: Dims, linears: Sequence[linear.Linear],
-                        saved: int) -> list[BackwardMoment]:
+def float8_swiglu_casts(spec: ModelSpec, wl: Workload, dm: Dims,
+                        linears: Sequence[linear.Linear], saved: int) -> list[BackwardMoment]:
     """Compiled with torchao's ``Float8Linear``s on a SwiGLU MLP's own gate and up
     projections (``linears``: ``mlp.mlp_linears``), the moment after the down
     projection's grad-input ``_scaled_mm`` where Inductor's kernels recompute the
@@ -972,8 +1020,12 @@ def float8_swiglu_casts(spec: ModelSpec, dm: Dims, linears: Sequence[linear.Line
       weight's gradient, up's output gradient (bf16) and gate's (fp32: ``silu_backward``'s
       upcast result, read again by the column amax's kernel and the casts') and the two
       row amaxes, beside the product's gradient and the incoming gradient's row amax:
-      4.5 T x f x 2 B, before any weight gradient (25,266,180 B traced, memplan 6,148 B
-      under: the weights' amaxes, hoisted to the backward's start).
+      4.5 T x f x 2 B, before any weight gradient (25,266,180 B traced with the RoPE table
+      cast to a real one, memplan 6,148 B under: the weights' amaxes, hoisted to the
+      backward's start). With the complex64 table Inductor keeps ``topological_sort_dfs``'s
+      order (its log: baseline 24,739,332 B, dfs 24,478,212, bfs 24,480,260), which also
+      holds the output projection's and up's transposed weight casts (65,536 + 196,608)
+      there: 25,526,788 B traced, memplan 266,756 B under (-1.05%), not modelled.
     Rebuilt (full recompute, per-op SAC: the checkpoint inside the graph) the same kernels
     beside the rebuilt set, which also holds the backward's casts written in the rebuild
     (``float8_rebuilt_casts``; 2 x 1,024 full: tensorwise 21,512,222 B traced, memplan
@@ -984,18 +1036,93 @@ def float8_swiglu_casts(spec: ModelSpec, dm: Dims, linears: Sequence[linear.Line
     ``reorder_for_peak_memory``, torch 2.13; its log for torchtitan's block with its
     complex64 RoPE table, 2 x 1,024: baseline 19,144,734 B, lpmf 19,374,128, bfs 24,223,776,
     dfs 20,914,212; 2 x 256: 5,130,270 against 5,261,360, 6,473,760, 5,228,580): traced
-    21,504,030 B at 2 x 1,024, memplan 8,210 B over.
-    None unconverted, tensor-parallel (untraced) or another MLP."""
+    21,504,030 B at 2 x 1,024, memplan 8,210 B over. Not rebuilt, tensorwise, with separate
+    q/k/v and the layer's complex RoPE table, Inductor may keep lpmf's order instead
+    (``float8_lpmf_grad_in_first``). None unconverted, tensor-parallel (untraced) or another
+    MLP."""
     if not (spec.mlp is MlpKind.SWIGLU and not dm.float8_tp
             and float8_gate_held(spec, dm, linears)):
         return []
     elements = dm.tokens * spec.ffn_hidden_size // dm.tp
     if dm.float8 is Float8Recipe.TENSORWISE:
         casts = 4 * (elements * linear.FLOAT8_BYTES + linear.FLOAT8_SCALE_BYTES)
+        first = float8_lpmf_grad_in_first(spec, wl, dm, linears)
+        down_grad = spec.hidden_size * spec.ffn_hidden_size // dm.tp * dm.stream_e
+        baseline = 4 * elements * linear.FLOAT8_BYTES + float8_lpmf_scalars(dm)[1] + down_grad
+        if first is not None and first + 2 * _rope_table_bytes(spec, dm) < baseline:
+            return [BackwardMoment("mlp_f8_act", saved, elements * dm.e + first, ())]
         return [BackwardMoment("mlp_f8_act", saved, elements * dm.e + casts, ("mlp_out",))]
     amaxes = 3 * dm.tokens * dm.e  # bf16 amaxes per row: the incoming gradient's, gate's, up's
     return [BackwardMoment("mlp_f8_act", saved, 2 * elements * dm.e + elements * FP32_BYTES
                            + elements * linear.FLOAT8_BYTES + amaxes, ())]
+
+
+def _rope_table_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """torchtitan's complex64 RoPE table for the layer's positions (``RopeCache.LAYER``)."""
+    return dm.s * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES
+
+
+def float8_lpmf_grad_in_first(spec: ModelSpec, wl: Workload, dm: Dims,
+                              linears: Sequence[linear.Linear]) -> int | None:
+    """Tensorwise ``Float8Linear``s on every projection of torchtitan's block (separate q/k/v,
+    its complex64 RoPE table: ``RopeCache.LAYER``), compiled, not rebuilt: beyond the saved
+    set and the product's gradient (T x f), what is alive at the MLP's peak in the order of
+    Inductor's ``topological_sort_lpmf`` (torch/_inductor/memory.py, torch 2.13), or None
+    elsewhere. ``reorder_for_peak_memory`` keeps the order of the lowest estimated peak among
+    the scheduler's (baseline, ``float8_swiglu_casts``' moment) and three sorts, so
+    ``float8_swiglu_casts`` compares the two estimates. lpmf runs first every kernel that
+    reads graph inputs alone: the transposed weight casts of all projections
+    (``matmul_with_hp_or_float8_args.backward``, torchao 0.18.0 ``float8_linear.py``:
+    ``weight_hp_t`` cast with the saved amax), the float8 casts of SDPA's output (for the
+    output projection's weight gradient, T x q) and of the incoming gradient (both dims,
+    T x h each; dim 0 freed after down's grad-input ``_scaled_mm``), the logsumexp's
+    transposed copy (SDPA's backward reads it; the saved one freed: no net bytes) and the
+    RoPE table's ``_conj`` resolved into a ``clone`` (complex ops fall back, not lowered);
+    then down's grad-input, the kernel writing gate's and up's dim-0 output-gradient casts
+    (T x f float8 and a scale each), and up's grad-input ``_scaled_mm`` (T x h): the peak,
+    no weight gradient made, down's weight cast freed; and the scalars
+    (``float8_lpmf_scalars``). Inductor's estimate of it is this plus twice the table: the
+    ``reshape`` and ``_conj`` fallbacks are each estimated at two tables and freed as one
+    (``compute_size_for_scheduler_buffer``: a ``MultiOutputLayout`` buffer allocates its
+    users' bytes, frees none); the baseline's, its moment (both less the held output, outside
+    the graph). Traced (benchmarks/compiled_backward.py, torchtitan's block, Inductor's
+    log): 2 x 1,024 tokens lpmf 491,498 B below the baseline (19,382,334 against
+    19,873,832; memplan's the same): lpmf kept, its peak 20,168,766 B, memplan exact (3.7%
+    over before); 2 x 256 lpmf 22 B above (5,263,422; memplan's the same): the baseline; 2 x
+    64 the baseline (memplan's lpmf 122,902 B above). With fused wqkv lpmf runs the
+    attention's backward before the MLP's grad-input matmuls and its estimate peaks there
+    (2 x 1,024: 20,627,492 B against the baseline's 19,873,820): the baseline, None here."""
+    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size  # ``attention.attention_linears``
+    attn = (linear.Linear("q", "attn", h, q), linear.Linear("k", "attn", h, kv),
+            linear.Linear("v", "attn", h, kv), linear.Linear("o", "attn_out", q, h))
+    if not (dm.float8 is Float8Recipe.TENSORWISE and not (wl.fused_qkv or spec.fused_qkv)
+            and wl.rope_cache is RopeCache.LAYER and spec.position is PositionKind.ROPE
+            and dm.tp == 1 and dm.rows == dm.tokens
+            and all(linear.float8_converts(lin, dm) for lin in (*attn, *linears))):
+        return None
+    elements = dm.tokens * spec.ffn_hidden_size
+    weights = sum(lin.d_in * lin.d_out for lin in (*attn, *linears[:-1]))
+    casts = (2 * elements + dm.tokens * (q + h)) * linear.FLOAT8_BYTES  # gate, up: dim 0
+    return (casts + weights * linear.FLOAT8_BYTES + dm.tokens * h * dm.e
+            + _rope_table_bytes(spec, dm) + float8_lpmf_scalars(dm)[0])
+
+
+def float8_lpmf_scalars(dm: Dims) -> tuple[int, int]:
+    """(lpmf's, the baseline's) tensorwise scalars beyond the saved set (each projection's
+    weight amax, in the weights' dtype, and inverse scale, fp32: torchao 0.18.0
+    ``float8_linear.py``) at the moments ``float8_lpmf_grad_in_first`` and
+    ``float8_swiglu_casts`` model in torchtitan's block (separate q/k/v, SwiGLU: seven
+    ``Float8Linear``s). Each tensorwise cast reduces an amax (the tensor's dtype) to an fp32
+    scale (``tensor_to_scale``). lpmf: the seven weights' amaxes read by their casts and
+    down's inverse scale by its matmul, freed; seven scales written (the incoming
+    gradient's, SDPA output's, both norm outputs', the product's, gate's and up's output
+    gradients'), five amaxes alive (two of the seven written into the buffers of two read
+    before: Inductor's reuse). The baseline: down's amax and inverse scale freed, gate's and
+    up's gradients' amaxes written, no scale yet (``float8_swiglu_casts`` counts four, 18 B
+    over the trace). Traced (the output code at 2 x 1,024): 62 and 40 B beside the saved
+    set's 42: +20 and -2."""
+    scale = linear.FLOAT8_SCALE_BYTES
+    return 7 * scale + 5 * dm.e - 7 * dm.e - scale, 2 * dm.e - dm.e - scale
 
 
 def float8_tp_weights(prefix: str, linears: Sequence[linear.Linear], dm: Dims,

@@ -456,6 +456,9 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     if not moe_layer and compiled.rebuilt_attention_schedule(spec, wl, dm, recompute):
         # the compiled attention's backward as Inductor orders it
         out += [LayerMoment(*m) for m in compiled.attention_backward_moments(spec, dm)]
+        # Inductor's wrapper holds the SDPA output's gradient only where its estimate allows
+        out = compiled.with_sdpa_grad_reuse(out, spec, dm,
+                                            grad_group_params(spec, dm.tp, 1, False, variant))
     if not moe_layer and (copy := compiled.rerun_output_copy_bytes(spec, wl, dm, recompute)):
         out = compiled.with_output_copy(out, copy)  # transformers' rerun's output copy
     return out

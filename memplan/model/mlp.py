@@ -572,7 +572,7 @@ class Mlp:
             moments.append(compiled.lora_mlp_backward(mlp_linears(spec, spec.ffn_hidden_size),
                                                       dm, total(terms)))
         kernels = (compiled.float8_swiglu_casts(  # Inductor's float8 kernels (a rerun's too)
-            spec, dm, mlp_linears(spec, spec.ffn_hidden_size), total(terms))
+            spec, wl, dm, mlp_linears(spec, spec.ffn_hidden_size), total(terms))
             if recompute is Recompute.NONE else [])
         # an eager Float8Linear's casts one by one, each with its working set: none where
         # Inductor's kernels write them (no such moment is a traced compiled block's peak)

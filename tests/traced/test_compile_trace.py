@@ -544,6 +544,46 @@ def test_compiled_float8_per_op_sac_baseline_order() -> None:
     assert _float8_peaks("tensorwise", "op", 256)[1] == 5_722_160  # the same order
 
 
+def test_compiled_float8_separate_qkv_lpmf_order() -> None:
+    """torchtitan's block with separate q/k/v (bf16, its complex64 RoPE table) and torchao's
+    tensorwise Float8Linears, compiled, no recompute, 2 x 1,024 tokens (T 2,048, h = q 256,
+    kv 64, f 768), traced as ``test_compiled_float8_layer_phase_peaks``. Inductor's
+    ``reorder_for_peak_memory`` keeps ``topological_sort_lpmf``'s order (its log: baseline
+    19,873,832 B, lpmf 19,382,334; ``compiled.float8_lpmf_grad_in_first``): the backward
+    peaks at up's grad-input ``_scaled_mm``, beside the saved set and the product's gradient
+    (T x f x 2 = 3,145,728): gate's and up's dim-0 casts 2 x (1,572,864 + 4), up's input
+    gradient T x h x 2 = 1,048,576, the transposed float8 weights of q, k, v, o, gate and up
+    65,536 + 2 x 16,384 + 65,536 + 2 x 196,608 = 557,056, the casts of SDPA's output and of
+    the incoming gradient's dim 1 2 x 524,288, the RoPE table's conjugate 1,024 x 16 x 8 =
+    131,072, 20 B of scalars (``compiled.float8_lpmf_scalars``) and no weight gradient:
+    memplan 20,168,766 B, the trace exact (3.7% over before, the baseline's moment: the four
+    casts and down's weight gradient). Inductor's estimates, less the held output
+    (1,048,576): the baseline's moment with its own scalars, 20,922,426 - 18 - 1,048,576 =
+    19,873,832 (its log the same); lpmf's plus two tables (the RoPE table's ``reshape`` and
+    ``_conj`` fallbacks, each estimated at two tables, freed as one), 20,168,766 - 1,048,576
+    + 262,144 = 19,382,334 (its log the same). With
+    fused wqkv the baseline stays (``_float8_peaks("tensorwise", "none", 1024)``, the trace
+    20,922,396 B: benchmarks/data/compiled_backward.json). torchao 0.18.0."""
+    pytest.importorskip("torchao.float8")
+    from memplan.model.layer import grad_group_params
+    from memplan.profile.compiled_trace import compiled_layer_step
+    from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
+
+    config = {"torchtitan": dict(TITAN["torchtitan"], fuse_qkv=False, float8="tensorwise")}
+    _, _, backward = compiled_layer_step(config, "bfloat16", BATCH, 1024, gpu_realize=True)
+    assert backward == 20_168_766
+    spec = torchtitan_spec(torchtitan_config(**TITAN["torchtitan"], seq_len=1024,
+                                             fuse_qkv=False), "toy")
+    wl = Workload(micro_batch_size=BATCH, seq_len=1024, precision="bf16-pure",
+                  recompute=Recompute.NONE, compile=True, rope_cache="layer",
+                  float8="tensorwise")
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, Recompute.NONE)
+    stream = dm.rows * spec.hidden_size * dm.e
+    modelled = _model_backward(kind, grad_group_params(spec, 1, 1, False), dm.e) - stream
+    assert modelled == 20_168_766 == backward
+
+
 def test_cpu_flash_backward_counted_as_its_outputs() -> None:
     """SDPA's CPU flash backward (q 2 x 8 x 1,024 x 32 bf16, k and v alike, causal) holds
     per-thread scratch inside the call (FlashAttentionKernel.cpp
@@ -912,7 +952,7 @@ def test_compiled_recompute_backward_at_the_mlp_kernel(checkpoint: str,
 
 
 @pytest.mark.parametrize("checkpoint,seq,traced_backward,over", [
-    ("full", 96, 2_422_272, 98_304), ("op", 64, 1_901_568, 204_288)])
+    ("full", 96, 2_422_272, 0), ("op", 64, 1_901_568, 204_288)])
 def test_compiled_attention_backward_below_hidden(checkpoint: str, seq: int,
                                                   traced_backward: int, over: int) -> None:
     """torchtitan's block (fused wqkv, bf16) recomputed inside the compiled graph with fewer
@@ -923,28 +963,29 @@ def test_compiled_attention_backward_below_hidden(checkpoint: str, seq: int,
     moments``; one kernel per scheduler node). By hand, S = T h 2, K = T 64 2, the MLP's
     weight gradients 1,179,648 B, the table seq x 16 x 8:
 
-    - full AC at 2 x 96 (S 98,304, K 24,576): alive 8 S + two statistics (2 x 768) =
-      787,968; in flight 2 S + 2 K + q's fp32 upcast and product (2 x 196,608) + the
-      table (12,288) = 651,264; less one stream: memplan 2,520,576 B (below: the trace);
+    - full AC at 2 x 96 (S 98,304, K 24,576): alive 7 S + two statistics (2 x 768) =
+      689,664; in flight 2 S + 2 K + q's fp32 upcast and product (2 x 196,608) + the
+      table's conjugate (12,288) = 651,264; less one stream: 2,422,272 B, the trace exact.
+      The SDPA output's gradient (S) is freed after SDPA's backward, not held for the q/k/v
+      input gradient (``compiled.with_sdpa_grad_reuse``): Inductor's reuse check
+      estimates 2,250,240 + 98,304 B against its peak 2,342,400 (the MLP's kernel); in
+      memplan's moments 2,520,576 - dq 98,304 = 2,422,272 against the MLP kernel's
+      2,416,128. With the table cast to a real one (as the harness did before
+      ``compiled_trace._titan_params_to``) it was held: 2,520,576 B traced;
     - per-op SAC at 2 x 64 (S 65,536, K 16,384): alive 8 S + 512 + k's fp32 upcast 32,768 =
       557,568; in flight 434,176; less one stream: 2,105,856 B, the trace with Inductor's CPU
       realization rules exact (before -8.0%).
 
     Traced with Inductor's GPU realization rules (``gpu_realize``): per-op SAC at 2 x 64
     1,901,568 B, memplan 204,288 B over (+10.7%): Inductor orders the backward otherwise
-    there (the kernels not yet examined), not modelled. Full AC at 2 x 96 with the block's
-    RoPE table kept complex64 as torchtitan holds it (``compiled_trace._titan_params_to``;
-    cast to a real table before, the trace read 2,520,576 B, memplan's figure): 2,422,272 B,
-    one S less, memplan 98,304 B over (+4.1%). The complex table's backward adds a ``_conj``
-    and a ``clone`` and frees buffers earlier, so the grad-input matmul into the q/k/v input
-    gets a fresh T x h buffer at another point (not modelled)."""
+    there (the kernels not yet examined), not modelled."""
     from memplan.profile.compiled_trace import compiled_layer_step
 
     batch = 2
     _, _, _, _, backward, stream = _titan_rebuilt(checkpoint, batch, seq)
     s, k, q32, table = stream, batch * seq * 64 * 2, 2 * stream, seq * 16 * 8
     stats = batch * seq * 4
-    alive = 8 * s + (2 * stats if checkpoint == "full" else stats + 2 * k)
+    alive = (7 * s + 2 * stats) if checkpoint == "full" else (8 * s + stats + 2 * k)
     assert backward - stream == alive + 2 * s + 2 * k + 2 * q32 + table + 1_179_648 - stream
     assert backward - stream - traced_backward == over
     _, _, traced = compiled_layer_step(TITAN_FUSED, "bfloat16", batch, seq, checkpoint=checkpoint,

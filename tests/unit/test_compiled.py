@@ -688,3 +688,77 @@ def test_compiled_sandwich_layer_rebuilt_inside_the_graph() -> None:
     swiglu = ModelSpec.model_validate({**SANDWICH.model_dump(), "mlp": "swiglu"})
     with pytest.raises(LayoutError, match="sandwich norms, recompute full and an MLP other"):
         validate(swiglu, ParallelConfig(), wl)
+
+
+def test_sdpa_grad_reuse_follows_inductors_estimate() -> None:
+    """``compiled.with_sdpa_grad_reuse``: Inductor's wrapper holds the SDPA output's gradient
+    (T x q x 2) for the q/k/v input gradient only where the RoPE backward's moment less dq
+    (T x q x 2, freed early in its estimate) is no larger than every other moment. The tiny
+    spec (T 64, q width 64: 8,192 B) with made-up moments, weight gradients of 2 bytes: the
+    MLP's 3 x 64 x 176 x 2 = 67,584 B at the RoPE backward. RoPE 100,000 + 20,000 + 67,584 =
+    187,584; less dq 179,392. Another moment of 179,392 B: held (the moments as given); of
+    179,391: freed, 8,192 B less alive at both attention moments."""
+    from memplan.model import compiled
+    from memplan.model.layer import LayerMoment, grad_group_params
+
+    groups = grad_group_params(TINY, 1, 1, False)
+    assert 2 * groups["mlp"] == 67_584
+
+    def moments(other: int) -> list[LayerMoment]:
+        return [LayerMoment("mlp_act", other - 5_000, 5_000, ()),
+                LayerMoment("attention_rope", 100_000, 20_000, ("mlp",)),
+                LayerMoment("attention_qkv", 100_000, 10_000, ("mlp",))]
+
+    assert compiled.with_sdpa_grad_reuse(moments(179_392), TINY, DM, groups) == moments(179_392)
+    freed = compiled.with_sdpa_grad_reuse(moments(179_391), TINY, DM, groups)
+    assert [m.alive_bytes for m in freed] == [174_391, 91_808, 91_808]
+
+
+def _titan_toy(seq: int, fused: bool) -> ModelSpec:
+    """torchtitan's Llama3 toy block of tests/traced/test_compile_trace.py (h 256, 8 heads of
+    32, 2 k/v heads, f 768, fused wqkv or not), as ``frameworks.torchtitan_spec`` reads it."""
+    from memplan.spec import spec_from_hf_dict
+
+    data = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 1,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 768,
+            "vocab_size": 1000, "max_position_embeddings": seq, "hidden_act": "silu",
+            "tie_word_embeddings": False}
+    return spec_from_hf_dict(data, "torchtitan toy", "toy").model_copy(
+        update={"fused_qkv": fused})
+
+
+@pytest.mark.parametrize("seq,fused,first,lpmf", [(1024, False, 5_931_028, True),
+                                                  (256, False, 1_900_564, False),
+                                                  (64, False, 892_948, False),
+                                                  (1024, True, None, False)])
+def test_float8_lpmf_grad_in_first(seq: int, fused: bool, first: int | None,
+                                   lpmf: bool) -> None:
+    """Tensorwise Float8Linears, compiled, no recompute (``compiled.float8_lpmf_grad_in_
+    first``): beyond the saved set and the product's gradient, lpmf's moment holds gate's and
+    up's dim-0 casts 2 x T x 768, the casts of SDPA's output and the incoming gradient
+    T x (256 + 256), the transposed float8 weights of q, k, v, o, gate, up 256 x (256 + 64 +
+    64 + 256 + 768 + 768) = 557,056, up's input gradient T x 256 x 2, the RoPE table's
+    conjugate seq x 16 x 8 and the scalars: seven fp32 scales and five bf16 amaxes written,
+    seven bf16 weight amaxes and a 4 B inverse scale freed: 28 + 10 - 14 - 4 = 20. Inductor's
+    estimate adds two tables; the baseline's: the four T x 768 casts, down's weight gradient
+    256 x 768 x 2 = 393,216 and its scalars, 4 - 2 - 4 = -2.
+    2 x 1,024 (T 2,048): 3,145,728 + 1,048,576 + 557,056 + 1,048,576 + 131,072 + 20 =
+    5,931,028; + 262,144 = 6,193,172 against 6,291,456 - 2 + 393,216 = 6,684,670: lpmf,
+    491,498 B below (Inductor's log: 491,498). 2 x 256 (T 512): 786,432 + 262,144 + 557,056 +
+    262,144 + 32,768 + 20 = 1,900,564; + 65,536 = 1,966,100 against 1,572,862 + 393,216 =
+    1,966,078: the baseline, 22 B below (Inductor's log: 22). 2 x 64 (T 128): 196,608 +
+    65,536 + 557,056 + 65,536 + 8,192 + 20 = 892,948; + 16,384 against 786,430: the
+    baseline. Fused wqkv: None (lpmf's estimate peaks elsewhere there)."""
+    from memplan.model import compiled
+    from memplan.model.mlp import mlp_linears
+
+    spec = _titan_toy(seq, fused)
+    wl = Workload(micro_batch_size=2, seq_len=seq, precision="bf16-pure", compile=True,
+                  rope_cache="layer", float8="tensorwise")
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    linears = mlp_linears(spec, spec.ffn_hidden_size)
+    assert compiled.float8_lpmf_grad_in_first(spec, wl, dm, linears) == first
+    kernel, = compiled.float8_swiglu_casts(spec, wl, dm, linears, 0)
+    product = 2 * seq * 768 * 2
+    assert kernel.transient_bytes == product + (first if lpmf else 4 * (2 * seq * 768 + 4))
+    assert kernel.grads == (() if lpmf else ("mlp_out",))

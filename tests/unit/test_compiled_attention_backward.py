@@ -74,3 +74,30 @@ def test_schedule_only_where_traced() -> None:
     assert not compiled.rebuilt_attention_schedule(spec, wl, dm, Recompute.NONE)
     tp = Dims.of(spec, ParallelConfig(tp=2), wl)
     assert not compiled.rebuilt_attention_schedule(spec, wl, tp, Recompute.FULL)
+
+
+def test_full_ac_sdpa_grad_reuse_by_size() -> None:
+    """Full AC's layer (``compiled.with_sdpa_grad_reuse``): the SDPA output's gradient held
+    for the q/k/v input gradient where the RoPE moment less dq is no larger than every other
+    moment. 2 x 96 (T 192, S 98,304, K 24,576, statistics 768, q's upcast 196,608, table
+    96 x 16 x 8 = 12,288): RoPE 8 S + 1,536 + 2 S + 2 K + 2 x 196,608 + 12,288 + 1,179,648 =
+    2,618,880, less dq 2,520,576; the MLP's kernel (``swiglu_moments``' ``mlp_act``, the
+    rebuilt set and the kernel's T x f tensors) 2,514,432: freed, alive 7 S + 1,536 =
+    689,664 at both attention moments. 2 x 1,024 (S 1,048,576): RoPE 8 S + 16,384 + 2 S +
+    2 x 262,144 + 2 x 2,097,152 + 131,072 + 1,179,648 = 16,531,456 less dq, against the MLP's
+    kernel 26,820,608: held, 8 S + 16,384 = 8,404,992."""
+    spec = spec_from_hf_dict(dict(TOY), "toy", "toy").model_copy(update={"fused_qkv": True})
+    groups = grad_group_params(spec, 1, 1, False)
+    for seq, s, rope, mlp, alive in ((96, 98_304, 2_618_880, 2_514_432, 689_664),
+                                     (1024, 1_048_576, 16_531_456, 26_820_608, 8_404_992)):
+        wl = Workload(micro_batch_size=2, seq_len=seq, precision="bf16-pure",
+                      recompute=Recompute.FULL, compile=True, rope_cache="layer")
+        dm = Dims.of(spec, ParallelConfig(), wl)
+        moments = {m.name: m for m in layer_kind(spec, wl, dm, False, Recompute.FULL).moments}
+        size = {n: m.alive_bytes + m.transient_bytes
+                + 2 * sum(groups[g] for g in m.grads_before) for n, m in moments.items()}
+        held = rope - s <= mlp
+        assert size["mlp_act"] == mlp and held == (seq == 1024)
+        assert size["attention_rope"] == rope - (0 if held else s)
+        assert moments["attention_rope"].alive_bytes == alive
+        assert moments["attention_qkv"].alive_bytes == alive
