@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 
 from memplan.errors import raise_if_interrupted
 from memplan.measure.timeline import CATEGORIES
@@ -52,10 +52,27 @@ class TimelinePoint:
 
 
 def _storages(obj: Any) -> list[torch.UntypedStorage]:
-    out = []
-    for leaf in tree_flatten(obj)[0]:
-        if isinstance(leaf, torch.Tensor):
-            out += [t.untyped_storage() for t in _held(leaf)]
+    out: list[torch.UntypedStorage] = []
+    for leaf in _tensors(obj, []):
+        out += [t.untyped_storage() for t in _held(leaf)]
+    return out
+
+
+def _tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors among ``tree_flatten(obj)``'s leaves, in its order, without building its
+    spec: lists, tuples (named ones and ``torch.return_types`` too) and dicts (values) walked
+    here, any other container pytree knows handed to ``tree_flatten``. An operator's
+    arguments are these containers; the walk runs twice per operator the tracker sees."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _tensors(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _tensors(x, out)
+    elif type(obj) in SUPPORTED_NODES:
+        out += [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]
     return out
 
 

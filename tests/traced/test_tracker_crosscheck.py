@@ -180,3 +180,24 @@ def test_tracker_peak_equals_profiler_tensor_storages(spec: ModelSpec, fields: d
     # depends on the BLAS torch was built with, so that is not asserted).
     outside = [b.nbytes for b in profiled.raw if not b.inside_one_call]
     assert outside == [rng_state_bytes] * (2 * _checkpointed_regions(wl, spec))
+
+
+def test_operator_tensors_walked_as_pytree_flattens_them() -> None:
+    """The tracker's walk of an operator's arguments and results (``tracker._tensors``) finds
+    the tensors ``tree_flatten`` finds, in its order: nested lists, tuples and dicts, a named
+    tuple, a ``torch.return_types`` struct, an OrderedDict, and leaves that are not tensors
+    (None, a slice, a torch.Size, a string, numbers)."""
+    import collections
+
+    from torch.utils._pytree import tree_flatten
+
+    from memplan.profile.tracker import _tensors
+
+    a, b, c = torch.ones(2), torch.zeros(3), torch.empty(1)
+    pair = collections.namedtuple("pair", "x y")
+    samples = [((a, [b, {"k": c, "j": 3}]), {"out": a}), pair(a, (b, None)),
+               torch.return_types.max((a, b)), collections.OrderedDict(z=c, y=[a]),
+               (slice(1, 2), torch.Size([2]), "s", 1.0, [a, a]), a, None]
+    for s in samples:
+        want = [id(x) for x in tree_flatten(s)[0] if isinstance(x, torch.Tensor)]
+        assert [id(x) for x in _tensors(s, [])] == want, s
