@@ -109,9 +109,14 @@ def _is_wrapper(t: torch.Tensor) -> bool:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
+    if not _FAKE:  # imported once, on first use: its import statement cost more than the check
+        from torch._subclasses.fake_tensor import FakeTensor
 
-    return isinstance(t, FakeTensor)
+        _FAKE.append(FakeTensor)
+    return isinstance(t, _FAKE[0])
+
+
+_FAKE: list[type] = []
 
 
 class MemoryTracker(TorchDispatchMode):
