@@ -109,6 +109,19 @@ def _weight_casts(spec: ModelSpec, dm: Dims) -> int:
     return 3 * moe.num_experts // dm.ep * f * spec.hidden_size * EXPERT_BYTES
 
 
+def unit_tensor_sizes(spec: ModelSpec, t: int, ep: int, etp: int) -> list[int]:
+    """Elements of the block's parameter tensors on one rank, in the order ``MoE.__init__``
+    registers them (and FSDP2 unshards them): the routed experts' ``w1_EFD``, ``w2_EDF``,
+    ``w3_EFD`` (``GroupedExperts.__init__``: E / ``ep`` experts, f split by the experts'
+    TP ``etp``), the router's gate (E x h), the shared experts' w1, w2, w3 (``FeedForward``,
+    f split by ``t``). memplan's own order (``memplan.model.moe.moe_linears``) puts the
+    router first."""
+    moe, h = _moe(spec), spec.hidden_size
+    routed = moe.num_experts // ep * (moe.expert_ffn_hidden_size // etp) * h
+    shared = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size // t * h
+    return [routed] * 3 + [moe.num_experts * h] + ([shared] * 3 if shared else [])
+
+
 def titan_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
     """torchtitan's MoE block's saved terms for one micro-batch on one rank (module
     docstring), R = T k routed rows, experts in bf16 (``EXPERT_BYTES``)."""

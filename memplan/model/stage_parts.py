@@ -33,6 +33,7 @@ from memplan.model.model_states import (
 from memplan.model.mlp import mlp_linears
 from memplan.model.moments import Event, Segment, peak_of
 from memplan.model.mtp import mtp_layer_index, mtp_recompute
+from memplan.model.one_rank_unshard import one_rank_gather_bytes
 from memplan.model.pipeline import stage_layers
 from memplan.model.sharding import (
     DataParallel,
@@ -280,7 +281,9 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     st, opt_temp = _states(params, par, wl, trainable)
     st, te_kept = te_fp8_states(st, spec, par, wl, len(layers))
     shard = (fsdp1_buffers(params, par, wl, trainable) if flat_units(spec, par, wl)
-             else sharding_buffers(params, par, wl, trainable, _float8_saving(spec, par, wl)))
+             else sharding_buffers(params, par, wl, trainable, _float8_saving(spec, par, wl),
+                                   0 if trainable.adapters
+                                   else one_rank_gather_bytes(spec, par, wl, layers)))
     e = wl.compute_dtype.itemsize
     # Gradients exist during forward when an earlier micro-batch made them, or when they live
     # in persistent data-parallel buffers; DDP's default copies them into separate buckets.
