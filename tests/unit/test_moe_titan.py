@@ -193,3 +193,36 @@ def test_per_op_sac_rerun_flops() -> None:
     wl = wl.model_copy(update={"selective_impl": SelectiveImpl.OP})
     assert _sac_rerun_flops(spec, wl, True) == 86_528
     assert _sac_rerun_flops(spec, wl, False) == 34_816
+
+
+def test_one_rank_gather_casts_each_parameter_beside_the_previous_cast() -> None:
+    """torchtitan's units at shard degree 1 under FSDP2's bf16 ``param_dtype``
+    (``memplan.model.one_rank_unshard``): tiny-moe's block in torchtitan's registration order,
+    elements: attention q 64 x 64 = 4,096, k and v 2,048 each, o 4,096; the MoE's w1, w2, w3
+    (4 x 96 x 64 = 24,576 each, ``MoE.__init__``: the routed experts first), the router's
+    gate (4 x 64 = 256); the two norms (64 each): 86,400. At the gate's cast the block but
+    the gate and the norms is unsharded (86,016), w3's cast still bound (24,576) beside the
+    gate's (256): 110,848 elements x 2 B = 221,696 B, above w3's own instant (61,440 +
+    2 x 24,576 = 110,592) and the end's (86,400 + 64). In fp32 nothing is cast, and at two
+    ranks the flat all-gather's copy-in counts the casts: 0 (not this moment)."""
+    from memplan.api import resolve
+    from memplan.model import moe_titan
+    from memplan.model.one_rank_unshard import (gather_peak, one_rank_gather_bytes,
+                                                unit_tensor_sizes)
+
+    spec = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-moe",
+                                     "moe": MoESpec(**TINY_MOE).model_dump()})
+    assert moe_titan.unit_tensor_sizes(spec, 1, 1, 1) == [24_576] * 3 + [256]
+    _, par, wl = resolve(spec, gpus=1, zero=3, framework="torchtitan", seq_len=128,
+                         micro_batch_size=2, precision="fsdp-bf16")
+    sizes = unit_tensor_sizes(spec, 1, par.experts, True, True)
+    assert sizes == [4_096, 2_048, 2_048, 4_096, 24_576, 24_576, 24_576, 256, 64, 64]
+    assert gather_peak(sizes, 2) == 221_696
+    assert gather_peak([1, 1, 10], 2) == 44  # the end: all 12 unsharded, the last cast 10
+    assert one_rank_gather_bytes(spec, par, wl, [0, 1]) == 221_696
+    _, par2, wl2 = resolve(spec, gpus=2, zero=3, framework="torchtitan", seq_len=128,
+                           micro_batch_size=2, precision="fsdp-bf16")
+    _, _, fp32 = resolve(spec, gpus=1, zero=3, framework="torchtitan", seq_len=128,
+                         micro_batch_size=2, precision="fp32")
+    assert one_rank_gather_bytes(spec, par2, wl2, [0, 1]) == 0
+    assert one_rank_gather_bytes(spec, par, fp32, [0, 1]) == 0
