@@ -1076,16 +1076,20 @@ def _titan_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMomen
     terms freed after it; then the grouped experts' MLP backward over the R = T k rows in
     bf16 from their output's gradient (R h, cast back from the fp32 product's), the block's
     incoming gradient and, with shared experts, their input's waiting
-    (``_shared_ran_first``). Traced: torchtitan's Qwen3 MoE toy with and without a shared
-    expert, bf16 and fp32, each backward peak exact."""
+    (``_shared_ran_first``), which waits from the combine's backward on, and below fp32 the
+    shared experts' input freed with their terms (``moe_titan.shared_input_freed``).
+    Traced: torchtitan's Qwen3 MoE toy with and without a shared expert, bf16 and fp32,
+    each backward peak exact (in fp32 the combine's the peak: the waiting T h x 4 B)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     spec = moe_titan.titan_spec(spec)
     routed = dm.tokens * moe.top_k
     ex = dm.experts()._replace(e=moe_titan.EXPERT_BYTES)
     shared, waiting = _shared_ran_first(spec, dm)
+    shared += moe_titan.shared_input_freed(spec, dm)
     combine = BackwardMoment("moe_unsort", saved - shared,
                              moe_titan.compiled_combine_bytes(spec, dm, backward=True)
-                             if dm.compiled else moe_titan.combine_backward_bytes(spec, dm), ())
+                             if dm.compiled
+                             else moe_titan.combine_backward_bytes(spec, dm) + waiting, ())
     if shared:
         combine = combine._replace(grads=("moe_shared",))
     experts = mlp.backward_moments(

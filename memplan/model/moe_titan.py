@@ -222,6 +222,18 @@ def combine_backward_bytes(spec: ModelSpec, dm: Dims) -> int:
     return 3 * routed * h * FP32_BYTES + routed * FP32_BYTES
 
 
+def shared_input_freed(spec: ModelSpec, dm: Dims) -> int:
+    """The block's input (the ffn norm's output, T h e) freed with the shared experts' saved
+    terms when their backward, the block's first (they ran last), is done: below fp32 their
+    w1 and w3 were its last holders (the router's gate saves its own fp32 copy, the routed
+    experts ``x_TD[idx]``'s index alone); in fp32 the gate saves the input itself, kept.
+    Traced: torchtitan's Qwen3 MoE toy with a shared expert, bf16, freed at w3's input
+    gradient before the combine's backward (32,768 B); 0 without shared experts."""
+    if not _moe(spec).num_shared_experts or dm.e >= FP32_BYTES:
+        return 0
+    return dm.linear_rows * spec.hidden_size * dm.e
+
+
 def buffer_bytes(spec: ModelSpec, wl: Workload, layers: list[int]) -> int:
     """The buffers torchtitan's block registers (``MoE.__init__``), device memory in every
     phase: ``tokens_per_expert_E`` (E fp32, non-persistent) and, with its default
