@@ -901,8 +901,10 @@ class MoE:
             return moments
         if wl.moe_impl is MoeImpl.PARALLEL:
             return moe_parallel.forward_moments(spec, dm, saved)
-        if wl.moe_impl is MoeImpl.TITAN:
-            return moments + [Moment("moe_combine", saved, moe_titan.combine_extra(spec, dm))]
+        if wl.moe_impl is MoeImpl.TITAN:  # the shared experts run after the combine
+            shared, _ = _shared_ran_first(moe_titan.titan_spec(spec), dm)
+            return moments + [Moment("moe_combine", saved - shared,
+                                     moe_titan.combine_extra(spec, dm))]
         if wl.moe_impl is MoeImpl.EVERY:
             moments.append(Moment("moe_combine", saved, _every_extra(spec, dm)))
         if wl.moe_impl.grouped:

@@ -194,7 +194,9 @@ def _bound_bytes(spec: ModelSpec, dm: Dims) -> int:
 
 
 def combine_extra(spec: ModelSpec, dm: Dims) -> int:
-    """Beside the saved terms at ``LocalTokenDispatcher.combine``'s largest moment: the bound
+    """Beside the saved terms at ``LocalTokenDispatcher.combine``'s largest moment (but the
+    shared experts', which run after it: ``MoE.forward``; counted there, the fp32 toy's
+    forward was 196,608 B over, their four T f x 4 B terms): the bound
     tensors (``_bound_bytes``), the experts' output (``.type_as(x)``, R h e, bound in
     ``RoutedExperts.forward``; in fp32 it is the saved fp32 copy itself), the gathered rows
     where they are not bf16 (``routed_input_RD``, R h e, bound there too; their bf16 casts are

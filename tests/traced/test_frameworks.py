@@ -426,6 +426,11 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    dp=1), None),
     (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fsdp-bf16", 2, 64,
                    dp=1, options={"ac": "full"}), None),
+    # fp32: the combine's scatter the forward's peak, before the shared expert runs (its
+    # terms not yet made), and the backward's at the combine (the shared expert's input
+    # gradient waiting)
+    (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fp32", 2, 64, dp=1),
+     None),
     # torchtitan's per-op SAC over its MoE block (SelectiveAC, its default save list): the
     # router's topk outputs kept, the gate (force_recompute_mm_shapes_by_fqns) and the
     # grouped matmuls (aten._grouped_mm is not in the list) rerun; a shared expert's
