@@ -1074,7 +1074,7 @@ class MoE:
 def _titan_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
     """torchtitan's MoE backward (``MoeImpl.TITAN``, ``memplan.model.moe_titan``): its shared
     experts ran last, so their MLP backward runs first (``_shared_last_backward``); then the
-    combine's (``moe_titan.combine_backward_bytes``; the shared terms freed by then), its
+    combine's (``moe_titan.combine_backward``; the shared terms freed by then), its
     terms freed after it; then the grouped experts' MLP backward over the R = T k rows in
     bf16 from their output's gradient (R h, cast back from the fp32 product's), the block's
     incoming gradient and, with shared experts, their input's waiting
@@ -1088,12 +1088,13 @@ def _titan_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMomen
     ex = dm.experts()._replace(e=moe_titan.EXPERT_BYTES)
     shared, waiting = _shared_ran_first(spec, dm)
     shared += moe_titan.shared_input_freed(spec, dm)
-    combine = BackwardMoment("moe_unsort", saved - shared,
-                             moe_titan.compiled_combine_bytes(spec, dm, backward=True)
-                             if dm.compiled
-                             else moe_titan.combine_backward_bytes(spec, dm) + waiting, ())
+    combine = ([BackwardMoment("moe_unsort", saved - shared,
+                               moe_titan.compiled_combine_bytes(spec, dm, backward=True))]
+               if dm.compiled else
+               [BackwardMoment(name, saved - shared, size + waiting, rerun_freed=freed)
+                for name, size, freed in moe_titan.combine_backward(spec, dm)])
     if shared:
-        combine = combine._replace(grads=("moe_shared",))
+        combine = [m._replace(grads=("moe_shared",)) for m in combine]
     experts = mlp.backward_moments(
         spec, ex, saved=saved, freed=shared + routed * (h + 1) * FP32_BYTES,
         run_tokens=routed, ffn=moe.expert_ffn_hidden_size,
@@ -1101,7 +1102,7 @@ def _titan_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMomen
         out_grad=routed * h * ex.e, in_saved=routed * h * ex.e)
     experts = [m._replace(transient_bytes=m.transient_bytes + waiting)
                if m.name in ("mlp", "mlp_act") else m for m in experts]
-    return _shared_last_backward(spec, dm, saved) + [combine] + experts
+    return _shared_last_backward(spec, dm, saved) + combine + experts
 
 
 def _split(ep: int | ExpertSplit, t: int) -> tuple[int, int]:

@@ -215,13 +215,23 @@ def combine_extra(spec: ModelSpec, dm: Dims) -> int:
         routed * h * FP32_BYTES + (cast if e < FP32_BYTES else 0), cast + dm.rows * h * e)
 
 
-def combine_backward_bytes(spec: ModelSpec, dm: Dims) -> int:
-    """The combine's backward, the block's first (traced): the scatter's (``torch.gather``
-    of the output's gradient, R h e), the cast's (its fp32 copy, R h x 4, the gather freed),
-    the product's (both factors' gradients, R h x 4 each; the scores' summed over h,
-    R x 4)."""
+def combine_backward(spec: ModelSpec, dm: Dims) -> list[tuple[str, int, int]]:
+    """The combine's backward, the block's first (traced), as (moment, bytes beside the saved
+    terms, of those terms what a recomputed block has freed by then): the scatter's
+    (``torch.gather`` of the output's gradient, R h e), the cast's (its fp32 copy, R h x 4,
+    the gather freed), the product's (both factors' gradients, R h x 4 each), then the
+    scores' gradient summed over h (R x 4): the engine's ``at::sum_to`` to their (R, 1)
+    shape (torch/csrc/autograd/engine.cpp ``validate_outputs``) after ``MulBackward0::
+    apply`` has returned. With the block recomputed (full AC, per-op SAC) the product's
+    fp32 operand (R h x 4) is held by that function's locals alone and freed before the sum
+    (torch/utils/checkpoint.py ``_checkpoint_hook.unpack_hook`` hands each recomputed tensor
+    over once, keeping none; ``BackwardMoment.rerun_freed``), so there the product's second
+    gradient is the peak (traced: torchtitan's Qwen3 MoE toy with a shared expert under full
+    AC and per-op SAC, bf16 and fp32: 1,024 B over before)."""
     routed, h = dm.tokens * _moe(spec).top_k, spec.hidden_size
-    return 3 * routed * h * FP32_BYTES + routed * FP32_BYTES
+    product = 3 * routed * h * FP32_BYTES
+    return [("moe_unsort", product, 0),
+            ("moe_unsort_sum", product + routed * FP32_BYTES, routed * h * FP32_BYTES)]
 
 
 def shared_input_freed(spec: ModelSpec, dm: Dims) -> int:

@@ -443,7 +443,8 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    dp=1, options={"ac": "selective"}), None),
     # in fp32 the combine's backward is the peak: the shared expert's input gradient (T h x
     # 4 B) waits there to be summed with the routed branch's, the input itself kept by the
-    # router's gate (below fp32 freed with the shared terms: moe_titan.shared_input_freed)
+    # router's gate (below fp32 freed with the shared terms: moe_titan.shared_input_freed);
+    # recomputed, at the product's second gradient (moe_titan.combine_backward)
     (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fp32", 2, 64,
                    dp=1, options={"ac": "selective"}), None),
     (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fp32", 2, 64,

@@ -226,3 +226,23 @@ def test_one_rank_gather_casts_each_parameter_beside_the_previous_cast() -> None
                          micro_batch_size=2, precision="fp32")
     assert one_rank_gather_bytes(spec, par2, wl2, [0, 1]) == 0
     assert one_rank_gather_bytes(spec, par, fp32, [0, 1]) == 0
+
+
+def test_combine_backward_and_the_shared_input() -> None:
+    """The combine's backward (R = 512 rows of h 64): the product's two fp32 gradients and
+    the cast's fp32 copy, 3 x R h x 4 = 393,216 B; then the scores' gradient summed over h
+    (R x 4 = 2,048) with, in a recomputed block, the product's fp32 operand (R h x 4 =
+    131,072) freed before it. A shared expert's backward, the block's first, frees the
+    block's input below fp32 (T h x 2 = 32,768: the router reads its own fp32 copy); in
+    fp32 the router's gate keeps it (0), and without a shared expert there is none."""
+    from memplan.model import moe_titan
+
+    spec, _, dm = _setup()
+    assert moe_titan.combine_backward(spec, dm) == [("moe_unsort", 393_216, 0),
+                                                   ("moe_unsort_sum", 395_264, 131_072)]
+    assert moe_titan.shared_input_freed(spec, dm) == 0
+    shared = dict(num_shared_experts=1, shared_expert_ffn_hidden_size=96)
+    spec, _, dm = _setup(**shared)
+    assert moe_titan.shared_input_freed(spec, dm) == 32_768
+    spec, _, dm = _setup("fp32", **shared)
+    assert moe_titan.shared_input_freed(spec, dm) == 0
