@@ -1017,6 +1017,8 @@ class MoE:
         rerun's stop at the unsort (``grouped_rerun``)."""
         if wl.moe_impl is MoeImpl.LOOP and not dm.compiled:
             return loop_rerun(spec, wl, dm, total(self.saved(spec, wl, dm, Recompute.NONE)))
+        if wl.moe_impl is MoeImpl.TITAN and not dm.compiled:
+            return self.forward_moments(spec, wl, dm, Recompute.NONE)[-1:]
         if wl.moe_impl is not MoeImpl.EVERY:
             return grouped_rerun(spec, wl, dm, total(self.saved(spec, wl, dm, Recompute.NONE)))
         moe = _moe(spec)

@@ -280,7 +280,10 @@ def working_bytes(spec: ModelSpec, dm: Dims) -> int:
     product = routed * h * FP32_BYTES * (2 if e < FP32_BYTES else 1)
     scatter = routed * h * e + dm.rows * h * e
     zeros = dm.rows * h * e  # combine's first statement: out_TD = torch.zeros_like(x_TD)
-    return routing + rows + max(experts, rows + zeros + max(product, scatter))
+    # the offsets, a local of GroupedExperts.forward that no checkpointed matmul keeps, are
+    # gone by the combine
+    offsets = moe.num_experts // dm.ep * OFFSET_BYTES
+    return routing + rows + max(experts, rows + zeros + max(product, scatter) - offsets)
 
 
 def compiled_combine_bytes(spec: ModelSpec, dm: Dims, backward: bool = False) -> int:
