@@ -1104,6 +1104,9 @@ def _titan_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMomen
         out_grad=routed * h * ex.e, in_saved=routed * h * ex.e)
     experts = [m._replace(transient_bytes=m.transient_bytes + waiting)
                if m.name in ("mlp", "mlp_act") else m for m in experts]
+    cast = moe_titan.weight_grad_cast_bytes(spec, dm)
+    experts = [m._replace(transient_bytes=m.transient_bytes + cast)
+               if m.name in ("mlp", "mlp_in") else m for m in experts]
     return _shared_last_backward(spec, dm, saved) + combine + experts
 
 

@@ -122,6 +122,15 @@ def unit_tensor_sizes(spec: ModelSpec, t: int, ep: int, etp: int) -> list[int]:
     return [routed] * 3 + [moe.num_experts * h] + ([shared] * 3 if shared else [])
 
 
+def weight_grad_cast_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """Where the experts' weights are not bf16 (``_weight_casts``), a grouped matmul's weight
+    gradient is made in bf16 (the gradient of ``w1_EFD.bfloat16()``, E / ep x f x h x 2 B)
+    and ``ToCopyBackward`` makes its copy in the weight's dtype beside it: one of them alive
+    at each weight gradient's moment beside the gradients in the weights' dtype. 0 with bf16
+    weights (the cast returns the weight itself)."""
+    return _weight_casts(spec, dm) // 3
+
+
 def titan_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
     """torchtitan's MoE block's saved terms for one micro-batch on one rank (module
     docstring), R = T k routed rows, experts in bf16 (``EXPERT_BYTES``)."""
@@ -276,7 +285,9 @@ def working_bytes(spec: ModelSpec, dm: Dims) -> int:
                + moe.num_experts * INDEX_BYTES + moe.num_experts // dm.ep * OFFSET_BYTES)
     rows = routed * h * e
     cast = routed * h * EXPERT_BYTES if _casts(dm) == 2 else 0
-    experts = cast + 2 * routed * f * EXPERT_BYTES
+    # where the weights are not bf16, the grouped matmul's weight cast (E / ep x f x h x 2 B,
+    # saved by no one here: freed after its matmul)
+    experts = cast + 2 * routed * f * EXPERT_BYTES + weight_grad_cast_bytes(spec, dm)
     product = routed * h * FP32_BYTES * (2 if e < FP32_BYTES else 1)
     scatter = routed * h * e + dm.rows * h * e
     zeros = dm.rows * h * e  # combine's first statement: out_TD = torch.zeros_like(x_TD)

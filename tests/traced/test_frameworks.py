@@ -462,6 +462,16 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    "fsdp-bf16", 2, 64, dp=1, options={"ac": "full"}), None),
     (FrameworkCase("torchtitan", "qwen3-moe-e256", TITAN_MOE_TOY | {"num_experts": 256},
                    "fsdp-bf16", 2, 64, dp=1), None),
+    # fp32 weights: nothing cast at the gather; GroupedExperts' .bfloat16() weight casts
+    # (E f h x 2 B each, 4,194,304 B) are the checkpointed forward's working set beside their
+    # matmul, and each weight's bf16 gradient is alive beside its fp32 copy in backward
+    # (moe_titan.weight_grad_cast_bytes): forward exact (was -3,932,160 B, -4.80%, under full
+    # AC), backward +89,600 B (+0.06%, was -4,104,704 B, -2.59%: the experts' input
+    # projections' moment in fp32, its input gradients' fp32 copies, not itemised)
+    (FrameworkCase("torchtitan", "qwen3-moe-e256", TITAN_MOE_TOY | {"num_experts": 256},
+                   "fp32", 2, 64, dp=1), None),
+    (FrameworkCase("torchtitan", "qwen3-moe-e256", TITAN_MOE_TOY | {"num_experts": 256},
+                   "fp32", 2, 64, dp=1, options={"ac": "full"}), None),
     # each block compiled whole (compile.components "model": apply_compile, fullgraph):
     # memplan.model.compiled.titan_moe_terms; saved activations +4,096 B (+0.27%, 2,048 a
     # layer: the single block's partition, the same graph, is exact in

@@ -247,3 +247,23 @@ def test_combine_backward_and_the_shared_input() -> None:
     assert moe_titan.shared_input_freed(spec, dm) == 32_768
     spec, _, dm = _setup("fp32", **shared)
     assert moe_titan.shared_input_freed(spec, dm) == 0
+
+
+def test_weight_gradient_cast_with_fp32_weights() -> None:
+    """fp32 weights: a grouped matmul's weight gradient is made in bf16 (E f h x 2 = 4 x 96
+    x 64 x 2 = 49,152 B) beside its fp32 copy, and in a checkpointed forward the weight's
+    bf16 cast (the same 49,152) is alive beside its matmul. Checkpointed, in fp32: the
+    routing's tensors (17,456 as in bf16), the gathered rows (R h x 4 = 131,072), then the
+    larger of the experts' at w3's matmul (the rows' bf16 cast R h x 2 = 65,536, the
+    activation and w3's output 2 x R f x 2 = 196,608, w3's cast 49,152: 311,296) and the
+    combine's (the experts' output R h x 4 = 131,072, the zeros T h x 4 = 65,536, the
+    scatter's cast and output 131,072 + 65,536, the offsets gone: 393,200): 541,728. With
+    bf16 weights nothing (the cast is the weight)."""
+    from memplan.model import moe_titan
+
+    spec, _, dm = _setup()
+    assert moe_titan.weight_grad_cast_bytes(spec, dm) == 0
+    spec, wl, dm = _setup("fp32", recompute="full")
+    assert moe_titan.weight_grad_cast_bytes(spec, dm) == 49_152
+    (moment,) = MoE().working_set(spec, wl, dm)
+    assert moment.transient_bytes == 541_728
