@@ -574,11 +574,14 @@ def _forward_blocks(one_rank: bool) -> int:
 
 
 def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
-                     trainable: TrainablePolicy = ALL, float8_saving: int = 0) -> ShardingBuffers:
+                     trainable: TrainablePolicy = ALL, float8_saving: int = 0,
+                     one_rank_gather: int = 0) -> ShardingBuffers:
     """ZeRO-3/FSDP: the root's weights and two blocks gathered in the compute dtype (with
     LoRA as ``unit_bytes`` counts them: decoder-layer units and a root), and in backward a
     unit's unsharded gradient before its reduce-scatter. ZeRO-2: one reduce bucket. A block
-    gathers ``float8_saving`` bytes fewer (``layer.float8_gather_saving``)."""
+    gathers ``float8_saving`` bytes fewer (``layer.float8_gather_saving``). At shard degree 1
+    a block's gather reaches ``one_rank_gather`` bytes (``memplan.model.one_rank_unshard``;
+    0: not modelled)."""
     policy = wl.precision.policy
     if par.zero >= ZeroStage.GRADIENTS and wl.fsdp_units is FsdpUnits.BUCKETS:
         return _bucketed_units(params, par, wl)
@@ -608,7 +611,7 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
         root = params.embedding + params.head
         if separate_units(wl):
             return _separate_units(params, one_rank, layer * e - float8_saving, blocks, e,
-                                   policy.grad_bytes)
+                                   policy.grad_bytes, one_rank_gather)
         # a block's start in forward, as with torchtitan's units below: the previous unit's
         # all-gather output still held beside the block's own and its parameters (for the
         # first block the previous unit is the root, gathered itself); the root stays gathered
@@ -941,10 +944,10 @@ def _reduce_bucket(params: StageParams, par: ParallelConfig, trainable: Trainabl
 
 
 def _separate_units(params: StageParams, one_rank: bool, layer_b: int, blocks: int, e: int,
-                    grad_bytes: int) -> ShardingBuffers:
+                    grad_bytes: int, one_rank_gather: int = 0) -> ShardingBuffers:
     """FSDP2 with torchtitan's units (``sharding_buffers``): ``layer_b`` the gathered bytes of
     one block, ``blocks`` how many are gathered at once, ``e`` the embedding's and head's
-    weights' bytes per element."""
+    weights' bytes per element, ``one_rank_gather`` a block's gather at shard degree 1."""
     # torchtitan's units: the embedding resharded after its forward; [final norm,
     # head] gathered from its forward (prefetched during the last block) to its
     # backward. In backward a block runs beside the all-gather buffer of the unit its
@@ -966,7 +969,10 @@ def _separate_units(params: StageParams, one_rank: bool, layer_b: int, blocks: i
     # prev_all_gather_state until it returns, so the block's own all-gather output
     # and its unsharded parameters are made beside it: three units, the embedding's
     # output instead of a block's for the first (traced, torchtitan full AC cases).
-    start, first_start = (0, 0) if one_rank else (3 * layer_b, emb * e + 2 * layer_b)
+    # At shard degree 1 the gather holds the block's unsharded parameters and each one's cast
+    # (memplan.model.one_rank_unshard), the embedding's unit resharded after its forward.
+    start, first_start = ((one_rank_gather, one_rank_gather) if one_rank
+                          else (3 * layer_b, emb * e + 2 * layer_b))
     # The head's unit resharded by a loss that runs the head's backward itself (torchtitan
     # 0.3 components/loss.py ``ChunkedLossWrapper.__call__``: set_reshard_after_forward(True)
     # and lm_head.reshard() after its chunks) is gathered again in its pre_backward, at the

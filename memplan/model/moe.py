@@ -901,8 +901,10 @@ class MoE:
             return moments
         if wl.moe_impl is MoeImpl.PARALLEL:
             return moe_parallel.forward_moments(spec, dm, saved)
-        if wl.moe_impl is MoeImpl.TITAN:
-            return moments + [Moment("moe_combine", saved, moe_titan.combine_extra(spec, dm))]
+        if wl.moe_impl is MoeImpl.TITAN:  # the shared experts run after the combine
+            shared, _ = _shared_ran_first(moe_titan.titan_spec(spec), dm)
+            return moments + [Moment("moe_combine", saved - shared,
+                                     moe_titan.combine_extra(spec, dm))]
         if wl.moe_impl is MoeImpl.EVERY:
             moments.append(Moment("moe_combine", saved, _every_extra(spec, dm)))
         if wl.moe_impl.grouped:
@@ -1015,6 +1017,8 @@ class MoE:
         rerun's stop at the unsort (``grouped_rerun``)."""
         if wl.moe_impl is MoeImpl.LOOP and not dm.compiled:
             return loop_rerun(spec, wl, dm, total(self.saved(spec, wl, dm, Recompute.NONE)))
+        if wl.moe_impl is MoeImpl.TITAN and not dm.compiled:
+            return self.forward_moments(spec, wl, dm, Recompute.NONE)[-1:]
         if wl.moe_impl is not MoeImpl.EVERY:
             return grouped_rerun(spec, wl, dm, total(self.saved(spec, wl, dm, Recompute.NONE)))
         moe = _moe(spec)
@@ -1072,22 +1076,27 @@ class MoE:
 def _titan_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
     """torchtitan's MoE backward (``MoeImpl.TITAN``, ``memplan.model.moe_titan``): its shared
     experts ran last, so their MLP backward runs first (``_shared_last_backward``); then the
-    combine's (``moe_titan.combine_backward_bytes``; the shared terms freed by then), its
+    combine's (``moe_titan.combine_backward``; the shared terms freed by then), its
     terms freed after it; then the grouped experts' MLP backward over the R = T k rows in
     bf16 from their output's gradient (R h, cast back from the fp32 product's), the block's
     incoming gradient and, with shared experts, their input's waiting
-    (``_shared_ran_first``). Traced: torchtitan's Qwen3 MoE toy with and without a shared
-    expert, bf16 and fp32, each backward peak exact."""
+    (``_shared_ran_first``), which waits from the combine's backward on, and below fp32 the
+    shared experts' input freed with their terms (``moe_titan.shared_input_freed``).
+    Traced: torchtitan's Qwen3 MoE toy with and without a shared expert, bf16 and fp32,
+    each backward peak exact (in fp32 the combine's the peak: the waiting T h x 4 B)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     spec = moe_titan.titan_spec(spec)
     routed = dm.tokens * moe.top_k
     ex = dm.experts()._replace(e=moe_titan.EXPERT_BYTES)
     shared, waiting = _shared_ran_first(spec, dm)
-    combine = BackwardMoment("moe_unsort", saved - shared,
-                             moe_titan.compiled_combine_bytes(spec, dm, backward=True)
-                             if dm.compiled else moe_titan.combine_backward_bytes(spec, dm), ())
+    shared += moe_titan.shared_input_freed(spec, dm)
+    combine = ([BackwardMoment("moe_unsort", saved - shared,
+                               moe_titan.compiled_combine_bytes(spec, dm, backward=True))]
+               if dm.compiled else
+               [BackwardMoment(name, saved - shared, size + waiting, rerun_freed=freed)
+                for name, size, freed in moe_titan.combine_backward(spec, dm)])
     if shared:
-        combine = combine._replace(grads=("moe_shared",))
+        combine = [m._replace(grads=("moe_shared",)) for m in combine]
     experts = mlp.backward_moments(
         spec, ex, saved=saved, freed=shared + routed * (h + 1) * FP32_BYTES,
         run_tokens=routed, ffn=moe.expert_ffn_hidden_size,
@@ -1095,7 +1104,10 @@ def _titan_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMomen
         out_grad=routed * h * ex.e, in_saved=routed * h * ex.e)
     experts = [m._replace(transient_bytes=m.transient_bytes + waiting)
                if m.name in ("mlp", "mlp_act") else m for m in experts]
-    return _shared_last_backward(spec, dm, saved) + [combine] + experts
+    cast = moe_titan.weight_grad_cast_bytes(spec, dm)
+    experts = [m._replace(transient_bytes=m.transient_bytes + cast)
+               if m.name in ("mlp", "mlp_in") else m for m in experts]
+    return _shared_last_backward(spec, dm, saved) + combine + experts
 
 
 def _split(ep: int | ExpertSplit, t: int) -> tuple[int, int]:

@@ -109,6 +109,28 @@ def _weight_casts(spec: ModelSpec, dm: Dims) -> int:
     return 3 * moe.num_experts // dm.ep * f * spec.hidden_size * EXPERT_BYTES
 
 
+def unit_tensor_sizes(spec: ModelSpec, t: int, ep: int, etp: int) -> list[int]:
+    """Elements of the block's parameter tensors on one rank, in the order ``MoE.__init__``
+    registers them (and FSDP2 unshards them): the routed experts' ``w1_EFD``, ``w2_EDF``,
+    ``w3_EFD`` (``GroupedExperts.__init__``: E / ``ep`` experts, f split by the experts'
+    TP ``etp``), the router's gate (E x h), the shared experts' w1, w2, w3 (``FeedForward``,
+    f split by ``t``). memplan's own order (``memplan.model.moe.moe_linears``) puts the
+    router first."""
+    moe, h = _moe(spec), spec.hidden_size
+    routed = moe.num_experts // ep * (moe.expert_ffn_hidden_size // etp) * h
+    shared = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size // t * h
+    return [routed] * 3 + [moe.num_experts * h] + ([shared] * 3 if shared else [])
+
+
+def weight_grad_cast_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """Where the experts' weights are not bf16 (``_weight_casts``), a grouped matmul's weight
+    gradient is made in bf16 (the gradient of ``w1_EFD.bfloat16()``, E / ep x f x h x 2 B)
+    and ``ToCopyBackward`` makes its copy in the weight's dtype beside it: one of them alive
+    at each weight gradient's moment beside the gradients in the weights' dtype. 0 with bf16
+    weights (the cast returns the weight itself)."""
+    return _weight_casts(spec, dm) // 3
+
+
 def titan_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
     """torchtitan's MoE block's saved terms for one micro-batch on one rank (module
     docstring), R = T k routed rows, experts in bf16 (``EXPERT_BYTES``)."""
@@ -181,7 +203,9 @@ def _bound_bytes(spec: ModelSpec, dm: Dims) -> int:
 
 
 def combine_extra(spec: ModelSpec, dm: Dims) -> int:
-    """Beside the saved terms at ``LocalTokenDispatcher.combine``'s largest moment: the bound
+    """Beside the saved terms at ``LocalTokenDispatcher.combine``'s largest moment (but the
+    shared experts', which run after it: ``MoE.forward``; counted there, the fp32 toy's
+    forward was 196,608 B over, their four T f x 4 B terms): the bound
     tensors (``_bound_bytes``), the experts' output (``.type_as(x)``, R h e, bound in
     ``RoutedExperts.forward``; in fp32 it is the saved fp32 copy itself), the gathered rows
     where they are not bf16 (``routed_input_RD``, R h e, bound there too; their bf16 casts are
@@ -200,13 +224,35 @@ def combine_extra(spec: ModelSpec, dm: Dims) -> int:
         routed * h * FP32_BYTES + (cast if e < FP32_BYTES else 0), cast + dm.rows * h * e)
 
 
-def combine_backward_bytes(spec: ModelSpec, dm: Dims) -> int:
-    """The combine's backward, the block's first (traced): the scatter's (``torch.gather``
-    of the output's gradient, R h e), the cast's (its fp32 copy, R h x 4, the gather freed),
-    the product's (both factors' gradients, R h x 4 each; the scores' summed over h,
-    R x 4)."""
+def combine_backward(spec: ModelSpec, dm: Dims) -> list[tuple[str, int, int]]:
+    """The combine's backward, the block's first (traced), as (moment, bytes beside the saved
+    terms, of those terms what a recomputed block has freed by then): the scatter's
+    (``torch.gather`` of the output's gradient, R h e), the cast's (its fp32 copy, R h x 4,
+    the gather freed), the product's (both factors' gradients, R h x 4 each), then the
+    scores' gradient summed over h (R x 4): the engine's ``at::sum_to`` to their (R, 1)
+    shape (torch/csrc/autograd/engine.cpp ``validate_outputs``) after ``MulBackward0::
+    apply`` has returned. With the block recomputed (full AC, per-op SAC) the product's
+    fp32 operand (R h x 4) is held by that function's locals alone and freed before the sum
+    (torch/utils/checkpoint.py ``_checkpoint_hook.unpack_hook`` hands each recomputed tensor
+    over once, keeping none; ``BackwardMoment.rerun_freed``), so there the product's second
+    gradient is the peak (traced: torchtitan's Qwen3 MoE toy with a shared expert under full
+    AC and per-op SAC, bf16 and fp32: 1,024 B over before)."""
     routed, h = dm.tokens * _moe(spec).top_k, spec.hidden_size
-    return 3 * routed * h * FP32_BYTES + routed * FP32_BYTES
+    product = 3 * routed * h * FP32_BYTES
+    return [("moe_unsort", product, 0),
+            ("moe_unsort_sum", product + routed * FP32_BYTES, routed * h * FP32_BYTES)]
+
+
+def shared_input_freed(spec: ModelSpec, dm: Dims) -> int:
+    """The block's input (the ffn norm's output, T h e) freed with the shared experts' saved
+    terms when their backward, the block's first (they ran last), is done: below fp32 their
+    w1 and w3 were its last holders (the router's gate saves its own fp32 copy, the routed
+    experts ``x_TD[idx]``'s index alone); in fp32 the gate saves the input itself, kept.
+    Traced: torchtitan's Qwen3 MoE toy with a shared expert, bf16, freed at w3's input
+    gradient before the combine's backward (32,768 B); 0 without shared experts."""
+    if not _moe(spec).num_shared_experts or dm.e >= FP32_BYTES:
+        return 0
+    return dm.linear_rows * spec.hidden_size * dm.e
 
 
 def buffer_bytes(spec: ModelSpec, wl: Workload, layers: list[int]) -> int:
@@ -239,11 +285,16 @@ def working_bytes(spec: ModelSpec, dm: Dims) -> int:
                + moe.num_experts * INDEX_BYTES + moe.num_experts // dm.ep * OFFSET_BYTES)
     rows = routed * h * e
     cast = routed * h * EXPERT_BYTES if _casts(dm) == 2 else 0
-    experts = cast + 2 * routed * f * EXPERT_BYTES
+    # where the weights are not bf16, the grouped matmul's weight cast (E / ep x f x h x 2 B,
+    # saved by no one here: freed after its matmul)
+    experts = cast + 2 * routed * f * EXPERT_BYTES + weight_grad_cast_bytes(spec, dm)
     product = routed * h * FP32_BYTES * (2 if e < FP32_BYTES else 1)
     scatter = routed * h * e + dm.rows * h * e
     zeros = dm.rows * h * e  # combine's first statement: out_TD = torch.zeros_like(x_TD)
-    return routing + rows + max(experts, rows + zeros + max(product, scatter))
+    # the offsets, a local of GroupedExperts.forward that no checkpointed matmul keeps, are
+    # gone by the combine
+    offsets = moe.num_experts // dm.ep * OFFSET_BYTES
+    return routing + rows + max(experts, rows + zeros + max(product, scatter) - offsets)
 
 
 def compiled_combine_bytes(spec: ModelSpec, dm: Dims, backward: bool = False) -> int:

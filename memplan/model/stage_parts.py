@@ -33,6 +33,7 @@ from memplan.model.model_states import (
 from memplan.model.mlp import mlp_linears
 from memplan.model.moments import Event, Segment, peak_of
 from memplan.model.mtp import mtp_layer_index, mtp_recompute
+from memplan.model.one_rank_unshard import one_rank_gather_bytes
 from memplan.model.pipeline import stage_layers
 from memplan.model.sharding import (
     DataParallel,
@@ -271,6 +272,18 @@ def _made_grads(par: ParallelConfig, wl: Workload, shard: ShardingBuffers,
     return main_grads, fresh
 
 
+def _sharding(spec: ModelSpec, par: ParallelConfig, wl: Workload, params: StageParams,
+              trainable: TrainablePolicy, layers: list[int]) -> ShardingBuffers:
+    """The stage's data-parallel buffers: FSDP1's flat units, else ``sharding_buffers`` with
+    a block's float8 gather saving and its gather at shard degree 1 (not modelled with
+    LoRA's adapters)."""
+    if flat_units(spec, par, wl):
+        return fsdp1_buffers(params, par, wl, trainable)
+    one_rank = 0 if trainable.adapters else one_rank_gather_bytes(spec, par, wl, layers)
+    return sharding_buffers(params, par, wl, trainable, _float8_saving(spec, par, wl),
+                            one_rank)
+
+
 def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                  params: StageParams, stage: int) -> StageStates:
     """``params``: the stage's ``stage_params`` (cached apart, per layout)."""
@@ -279,8 +292,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     trainable = lora_policy(spec, wl, layers, par.tp, wl.precision.policy.param_bytes, last)
     st, opt_temp = _states(params, par, wl, trainable)
     st, te_kept = te_fp8_states(st, spec, par, wl, len(layers))
-    shard = (fsdp1_buffers(params, par, wl, trainable) if flat_units(spec, par, wl)
-             else sharding_buffers(params, par, wl, trainable, _float8_saving(spec, par, wl)))
+    shard = _sharding(spec, par, wl, params, trainable, layers)
     e = wl.compute_dtype.itemsize
     # Gradients exist during forward when an earlier micro-batch made them, or when they live
     # in persistent data-parallel buffers; DDP's default copies them into separate buckets.

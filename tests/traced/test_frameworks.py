@@ -110,31 +110,6 @@ LITGPT_TOY = dict(n_layer=2, n_embd=256, n_head=4, intermediate_size=688, vocab_
                   padded_vocab_size=1000, block_size=256)
 LITGPT_GQA = dict(LITGPT_TOY, n_head=8, n_query_groups=2)
 
-# torchtitan's MoE block with a shared expert in fp32: the backward's peak one T x h fp32
-# tensor (2 x 64 x 128 x 4 = 65,536 B) over the estimate whatever the recompute (the same
-# row: -64,512 B under full AC, -65,536 B without AC: the block's own backward, not per-op
-# SAC's; not located). Saved activations and forward peaks exact.
-TITAN_SHARED_FP32_BACKWARD = Known(
-    ("first_step.backward_bytes",),
-    "torchtitan's MoE block with a shared expert in fp32: its backward peaks 64,512 B (one "
-    "T x h fp32 tensor less the others' 1,024 B over) above the estimate under per-op SAC, "
-    "as under full AC (-64,512 B) and without AC (-65,536 B); not located",
-    {"first_step.backward_bytes": (-64_512, -1.0142)})
-
-
-# torchtitan's MoE block with 256 experts (the toy's 4 x 64): the forward peaks above the
-# estimate whatever the recompute (-3,529,216 B under full AC, -2,946,048 B without AC, at 64
-# experts -508,672 B under full AC): the block's forward at many experts, not per-op SAC's
-# (whose saved activations are exact); not located
-TITAN_E256_FORWARD = Known(
-    ("first_step.forward_bytes", "steady.forward_bytes"),
-    "torchtitan's MoE block with 256 experts: its forward peaks 3,458,560 B above the "
-    "estimate under per-op SAC, as under full AC (-3,529,216 B) and without AC "
-    "(-2,946,048 B); not located",
-    {"first_step.forward_bytes": (-3_458_560, -5.0394),
-     "steady.forward_bytes": (-3_458_560, -2.0147)})
-
-
 CASES: list[tuple[FrameworkCase, Known | None]] = [
     # --- Hugging Face transformers, SDPA ---------------------------------------------------
     (FrameworkCase("transformers", "Meta-Llama-3-8B-2l", hf("Meta-Llama-3-8B",
@@ -451,6 +426,11 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    dp=1), None),
     (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fsdp-bf16", 2, 64,
                    dp=1, options={"ac": "full"}), None),
+    # fp32: the combine's scatter the forward's peak, before the shared expert runs (its
+    # terms not yet made), and the backward's at the combine (the shared expert's input
+    # gradient waiting)
+    (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fp32", 2, 64, dp=1),
+     None),
     # torchtitan's per-op SAC over its MoE block (SelectiveAC, its default save list): the
     # router's topk outputs kept, the gate (force_recompute_mm_shapes_by_fqns) and the
     # grouped matmuls (aten._grouped_mm is not in the list) rerun; a shared expert's
@@ -461,14 +441,37 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    options={"ac": "selective"}), None),
     (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fsdp-bf16", 2, 64,
                    dp=1, options={"ac": "selective"}), None),
+    # in fp32 the combine's backward is the peak: the shared expert's input gradient (T h x
+    # 4 B) waits there to be summed with the routed branch's, the input itself kept by the
+    # router's gate (below fp32 freed with the shared terms: moe_titan.shared_input_freed);
+    # recomputed, at the product's second gradient (moe_titan.combine_backward)
     (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fp32", 2, 64,
-                   dp=1, options={"ac": "selective"}), TITAN_SHARED_FP32_BACKWARD),
+                   dp=1, options={"ac": "selective"}), None),
+    (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fp32", 2, 64,
+                   dp=1, options={"ac": "full"}), None),
     # 256 experts: the router's gate (128 x 256) has the fused wqkv's shape, so the policy's
     # shape match reruns it uncounted too (o the 1st, kept): 32,768 B a layer less kept,
-    # saved activations exact
+    # saved activations exact. The forward peaks at the second block's gather: FSDP2's
+    # unshard at shard degree 1 casts each parameter to bf16 beside its unsharded copy, the
+    # previous cast still bound (memplan.model.one_rank_unshard): w3's cast (4,194,304 B)
+    # and the gate's beside the block, 4,193,792 B over its 12,747,392 (3,458,560 B above
+    # the block's compute; without it memplan was 5.04% under)
     (FrameworkCase("torchtitan", "qwen3-moe-e256", TITAN_MOE_TOY | {"num_experts": 256},
-                   "fsdp-bf16", 2, 64, dp=1, options={"ac": "selective"}),
-     TITAN_E256_FORWARD),
+                   "fsdp-bf16", 2, 64, dp=1, options={"ac": "selective"}), None),
+    (FrameworkCase("torchtitan", "qwen3-moe-e256", TITAN_MOE_TOY | {"num_experts": 256},
+                   "fsdp-bf16", 2, 64, dp=1, options={"ac": "full"}), None),
+    (FrameworkCase("torchtitan", "qwen3-moe-e256", TITAN_MOE_TOY | {"num_experts": 256},
+                   "fsdp-bf16", 2, 64, dp=1), None),
+    # fp32 weights: nothing cast at the gather; GroupedExperts' .bfloat16() weight casts
+    # (E f h x 2 B each, 4,194,304 B) are the checkpointed forward's working set beside their
+    # matmul, and each weight's bf16 gradient is alive beside its fp32 copy in backward
+    # (moe_titan.weight_grad_cast_bytes): forward exact (was -3,932,160 B, -4.80%, under full
+    # AC), backward +89,600 B (+0.06%, was -4,104,704 B, -2.59%: the experts' input
+    # projections' moment in fp32, its input gradients' fp32 copies, not itemised)
+    (FrameworkCase("torchtitan", "qwen3-moe-e256", TITAN_MOE_TOY | {"num_experts": 256},
+                   "fp32", 2, 64, dp=1), None),
+    (FrameworkCase("torchtitan", "qwen3-moe-e256", TITAN_MOE_TOY | {"num_experts": 256},
+                   "fp32", 2, 64, dp=1, options={"ac": "full"}), None),
     # each block compiled whole (compile.components "model": apply_compile, fullgraph):
     # memplan.model.compiled.titan_moe_terms; saved activations +4,096 B (+0.27%, 2,048 a
     # layer: the single block's partition, the same graph, is exact in

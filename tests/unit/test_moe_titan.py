@@ -64,13 +64,14 @@ def test_saved_terms_in_fp32() -> None:
 def test_checkpointed_forward_peaks_at_the_combine() -> None:
     """Under full recompute in bf16: the routing's tensors (T E x 5 = 5,120 scores and map,
     T k x 12 = 6,144 ids and scaled scores, R x 12 = 6,144 sorted scores and token index,
-    E x 8 + E x 4 = 48 counts and offsets: 17,456), the gathered rows and the experts' output
-    (R h x 2 = 65,536 each), the combine's zeros (T h x 2 = 32,768) and its fp32 copy of the
-    output with their product (2 x R h x 4 = 262,144; the scatter's 65,536 + 32,768 is
-    smaller): 443,440."""
+    E x 8 = 32 counts; the offsets, E x 4, a local of GroupedExperts.forward, gone by the
+    combine: 17,440), the gathered rows and the experts' output (R h x 2 = 65,536 each), the
+    combine's zeros (T h x 2 = 32,768) and its fp32 copy of the output with their product
+    (2 x R h x 4 = 262,144; the scatter's 65,536 + 32,768 is smaller): 443,424 (traced: the
+    shared toy under full AC, 16 B over with the offsets)."""
     spec, wl, dm = _setup(recompute="full")
     (moment,) = MoE().working_set(spec, wl, dm)
-    assert moment.transient_bytes == 443_440
+    assert moment.transient_bytes == 443_424
 
 
 def test_preset_defaults_torchtitan_moe_to_titan() -> None:
@@ -193,3 +194,76 @@ def test_per_op_sac_rerun_flops() -> None:
     wl = wl.model_copy(update={"selective_impl": SelectiveImpl.OP})
     assert _sac_rerun_flops(spec, wl, True) == 86_528
     assert _sac_rerun_flops(spec, wl, False) == 34_816
+
+
+def test_one_rank_gather_casts_each_parameter_beside_the_previous_cast() -> None:
+    """torchtitan's units at shard degree 1 under FSDP2's bf16 ``param_dtype``
+    (``memplan.model.one_rank_unshard``): tiny-moe's block in torchtitan's registration order,
+    elements: attention q 64 x 64 = 4,096, k and v 2,048 each, o 4,096; the MoE's w1, w2, w3
+    (4 x 96 x 64 = 24,576 each, ``MoE.__init__``: the routed experts first), the router's
+    gate (4 x 64 = 256); the two norms (64 each): 86,400. At the gate's cast the block but
+    the gate and the norms is unsharded (86,016), w3's cast still bound (24,576) beside the
+    gate's (256): 110,848 elements x 2 B = 221,696 B, above w3's own instant (61,440 +
+    2 x 24,576 = 110,592) and the end's (86,400 + 64). In fp32 nothing is cast, and at two
+    ranks the flat all-gather's copy-in counts the casts: 0 (not this moment)."""
+    from memplan.api import resolve
+    from memplan.model import moe_titan
+    from memplan.model.one_rank_unshard import (gather_peak, one_rank_gather_bytes,
+                                                unit_tensor_sizes)
+
+    spec = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-moe",
+                                     "moe": MoESpec(**TINY_MOE).model_dump()})
+    assert moe_titan.unit_tensor_sizes(spec, 1, 1, 1) == [24_576] * 3 + [256]
+    _, par, wl = resolve(spec, gpus=1, zero=3, framework="torchtitan", seq_len=128,
+                         micro_batch_size=2, precision="fsdp-bf16")
+    sizes = unit_tensor_sizes(spec, 1, par.experts, True, True)
+    assert sizes == [4_096, 2_048, 2_048, 4_096, 24_576, 24_576, 24_576, 256, 64, 64]
+    assert gather_peak(sizes, 2) == 221_696
+    assert gather_peak([1, 1, 10], 2) == 44  # the end: all 12 unsharded, the last cast 10
+    assert one_rank_gather_bytes(spec, par, wl, [0, 1]) == 221_696
+    _, par2, wl2 = resolve(spec, gpus=2, zero=3, framework="torchtitan", seq_len=128,
+                           micro_batch_size=2, precision="fsdp-bf16")
+    _, _, fp32 = resolve(spec, gpus=1, zero=3, framework="torchtitan", seq_len=128,
+                         micro_batch_size=2, precision="fp32")
+    assert one_rank_gather_bytes(spec, par2, wl2, [0, 1]) == 0
+    assert one_rank_gather_bytes(spec, par, fp32, [0, 1]) == 0
+
+
+def test_combine_backward_and_the_shared_input() -> None:
+    """The combine's backward (R = 512 rows of h 64): the product's two fp32 gradients and
+    the cast's fp32 copy, 3 x R h x 4 = 393,216 B; then the scores' gradient summed over h
+    (R x 4 = 2,048) with, in a recomputed block, the product's fp32 operand (R h x 4 =
+    131,072) freed before it. A shared expert's backward, the block's first, frees the
+    block's input below fp32 (T h x 2 = 32,768: the router reads its own fp32 copy); in
+    fp32 the router's gate keeps it (0), and without a shared expert there is none."""
+    from memplan.model import moe_titan
+
+    spec, _, dm = _setup()
+    assert moe_titan.combine_backward(spec, dm) == [("moe_unsort", 393_216, 0),
+                                                   ("moe_unsort_sum", 395_264, 131_072)]
+    assert moe_titan.shared_input_freed(spec, dm) == 0
+    shared = dict(num_shared_experts=1, shared_expert_ffn_hidden_size=96)
+    spec, _, dm = _setup(**shared)
+    assert moe_titan.shared_input_freed(spec, dm) == 32_768
+    spec, _, dm = _setup("fp32", **shared)
+    assert moe_titan.shared_input_freed(spec, dm) == 0
+
+
+def test_weight_gradient_cast_with_fp32_weights() -> None:
+    """fp32 weights: a grouped matmul's weight gradient is made in bf16 (E f h x 2 = 4 x 96
+    x 64 x 2 = 49,152 B) beside its fp32 copy, and in a checkpointed forward the weight's
+    bf16 cast (the same 49,152) is alive beside its matmul. Checkpointed, in fp32: the
+    routing's tensors (17,456 as in bf16), the gathered rows (R h x 4 = 131,072), then the
+    larger of the experts' at w3's matmul (the rows' bf16 cast R h x 2 = 65,536, the
+    activation and w3's output 2 x R f x 2 = 196,608, w3's cast 49,152: 311,296) and the
+    combine's (the experts' output R h x 4 = 131,072, the zeros T h x 4 = 65,536, the
+    scatter's cast and output 131,072 + 65,536, the offsets gone: 393,200): 541,728. With
+    bf16 weights nothing (the cast is the weight)."""
+    from memplan.model import moe_titan
+
+    spec, _, dm = _setup()
+    assert moe_titan.weight_grad_cast_bytes(spec, dm) == 0
+    spec, wl, dm = _setup("fp32", recompute="full")
+    assert moe_titan.weight_grad_cast_bytes(spec, dm) == 49_152
+    (moment,) = MoE().working_set(spec, wl, dm)
+    assert moment.transient_bytes == 541_728
