@@ -18,6 +18,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,6 +63,8 @@ def _write_durations(logs: list[Path]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    # a SIGTERM (a CI timeout) unwinds like Ctrl-C, so both pytest processes are stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     record = "--record" in argv
     args = [a for a in argv if a != "--record"]
     with tempfile.TemporaryDirectory(prefix="memplan-suite-") as tmp:

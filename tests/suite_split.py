@@ -9,7 +9,7 @@ the same process after the same files every time: no placement depends on timing
 
 Longest file first, each to the process with the least recorded time so far (ties: the lower
 index); a file with no recorded time weighs its test count times the median recorded time
-per test.
+per test of its folder's files.
 """
 
 from __future__ import annotations
@@ -33,15 +33,27 @@ def file_weights(counts: Mapping[str, int],
                  recorded: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
     """Seconds each collected file is expected to take: its recorded time, scaled by how many
     of its recorded tests are selected now; else its test count times the median recorded
-    seconds per test (one second per test when nothing is recorded)."""
-    per_test = [r["seconds"] / r["tests"] for r in recorded.values() if r.get("tests")]
-    default = statistics.median(per_test) if per_test else 1.0
+    seconds per test of the files in its folder (a traced test costs what traced tests do,
+    not what unit tests do), of all files where its folder has none, one second where
+    nothing is recorded."""
+    def per_test(names: Iterable[str]) -> list[float]:
+        return [recorded[f]["seconds"] / recorded[f]["tests"] for f in names
+                if recorded[f].get("tests")]
+
+    overall = per_test(recorded)
     out = {}
     for name, n in counts.items():
         r = recorded.get(name)
-        out[name] = (r["seconds"] * min(1.0, n / r["tests"]) if r and r.get("tests")
-                     else n * default)
+        if r and r.get("tests"):
+            out[name] = r["seconds"] * min(1.0, n / r["tests"])
+            continue
+        near = per_test(f for f in recorded if _folder(f) == _folder(name)) or overall
+        out[name] = n * (statistics.median(near) if near else 1.0)
     return out
+
+
+def _folder(name: str) -> str:
+    return name.rpartition("/")[0]
 
 
 def assign(weights: Mapping[str, float], shards: int) -> dict[str, int]:

@@ -35,6 +35,16 @@ def test_weights_from_the_record_and_the_median_per_test() -> None:
     assert suite_split.file_weights({"new": 3}, {}) == {"new": 3.0}
 
 
+def test_an_unrecorded_file_weighs_as_its_folder() -> None:
+    """Per test: t/a 10 s and t/b 30 s (median 20), u/c 0.1 s: a new t/ file of 3 tests weighs
+    60 s, a new u/ file of 10 tests 1 s, a new file elsewhere 2 tests x the median of all
+    three (10 s) = 20 s."""
+    recorded = {"t/a": {"seconds": 20.0, "tests": 2}, "t/b": {"seconds": 30.0, "tests": 1},
+                "u/c": {"seconds": 1.0, "tests": 10}}
+    weights = suite_split.file_weights({"t/new": 3, "u/new": 10, "v/new": 2}, recorded)
+    assert weights == pytest.approx({"t/new": 60.0, "u/new": 1.0, "v/new": 20.0})
+
+
 def test_every_file_in_exactly_one_process() -> None:
     files = [f"tests/t{i % 7}.py" for i in range(50)]
     recorded = {"tests/t1.py": {"seconds": 100.0, "tests": 8}}
