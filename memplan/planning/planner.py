@@ -18,6 +18,7 @@ import numpy as np
 from memplan.errors import LayoutError, MemplanError
 from memplan.hardware import GpuSpec
 from memplan.model import te_fp8
+from memplan.model.collector import with_collector_paused
 from memplan.model.estimate import Estimate, estimate
 from memplan.model.memo import fewest_stage_params
 from memplan.overheads import Overheads, default_overheads, with_library_workspaces
@@ -359,6 +360,7 @@ def _policy_tuple(allowed: tuple[Recompute, ...], stage_layers: int
     return tuple(out)
 
 
+@with_collector_paused  # the search and its replays make objects that outlive it (``collector``)
 def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
          capacity_bytes: int | None = None, safety: float = DEFAULT_SAFETY,
          max_tp: int | None = None, fixed: dict[str, object] | None = None,
@@ -596,6 +598,9 @@ class _Context:
     evaluated: int = 0  # exact evaluations beyond the searches'
     # every search's evaluations, by (layout, workload, size): a search again repeats some
     known: dict = field(default_factory=dict)
+    # the step seconds of every (layout, policy, micro-batch, parameters) row a bound read
+    # (``_fastest_possible``)
+    fastest: dict = field(default_factory=dict)
 
     def workload(self, policy: tuple[Recompute, int | None]) -> Workload:
         return _policy_workload(self.wl, *policy)
@@ -958,10 +963,17 @@ def _fastest_possible(ctx: _Context, rows: list[tuple[ParallelConfig,
     fewest = [_fewest_params(ctx, par, policy) if with_params else 0 for par, policy, _ in rows]
     flat = [(par, _fastest_policy(ctx, policy), b, n)
             for (par, policy, bs), n in zip(rows, fewest) for b in bs]
-    step = _row_times(ctx, flat).step_s
+    # each row's time is its own (``step_times`` is elementwise: ``timing.step_time`` gives
+    # the same floats one row at a time), so a row asked before is read back: a search again
+    # (``plan``'s next ``_plan_once``) asks the same layouts' bounds
+    done = ctx.fastest
+    new = [row for row in dict.fromkeys(flat) if row not in done]
+    if new:
+        done.update(zip(new, _row_times(ctx, new).step_s.tolist()))
+    step = [done[row] for row in flat]
     out, at = [], 0
     for _, _, bs in rows:
-        out.append(float(step[at:at + len(bs)].min()) if bs else float("inf"))
+        out.append(min(step[at:at + len(bs)]) if bs else float("inf"))
         at += len(bs)
     return out
 
