@@ -39,7 +39,7 @@ from memplan.parallel import (
 )
 from memplan.planning.batch_sizes import MAX_MBS, divisors, micro_batch_sizes
 from memplan.presets import accumulation_refused
-from memplan.planning.search import Found, Job, Search, evaluate
+from memplan.planning.search import Found, Job, Search, _with_mbs, evaluate
 from memplan.planning.timing import (
     Columns,
     StepTime,
@@ -601,6 +601,10 @@ class _Context:
     # the step seconds of every (layout, policy, micro-batch, parameters) row a bound read
     # (``_fastest_possible``)
     fastest: dict = field(default_factory=dict)
+    # op-level save sets' peaks, by (layout, workload, micro-batch) (``_with_save_set``: the
+    # most loaded rank's) and by (layout, workload, micro-batches) (``_with_stage_sets``: every
+    # stage's): a search again chooses many of the same sets
+    ops_peaks: dict = field(default_factory=dict)
 
     def workload(self, policy: tuple[Recompute, int | None]) -> Workload:
         return _policy_workload(self.wl, *policy)
@@ -742,9 +746,11 @@ def _with_save_set(ctx: _Context, fit: _Fit, known: int = 0,
     budget = ctx.budget if budget is None else budget
 
     def fits(kept: tuple[str, ...]) -> int:
-        peaks[kept] = evaluate(ctx.spec, fit.par, ctx.workload((Recompute.OPS, kept)),
-                               fit.mbs, ctx.ovh).peak_bytes
-        ctx.evaluated += 1
+        key = (fit.par, ctx.workload((Recompute.OPS, kept)), fit.mbs)
+        if key not in ctx.ops_peaks:  # (asked before: by an earlier search's choice)
+            ctx.ops_peaks[key] = evaluate(ctx.spec, *key, ctx.ovh).peak_bytes
+            ctx.evaluated += 1
+        peaks[kept] = ctx.ops_peaks[key]
         return budget - peaks[kept]  # (how far from the budget: choose guesses with it)
 
     dm = Dims.of(ctx.spec, fit.par, wl)
@@ -773,18 +779,19 @@ def _with_stage_sets(ctx: _Context, fit: _Fit, sets: tuple, known: int,
     peaks: dict[tuple[str, ...], tuple[int, ...]] = {}
 
     def at(kept: tuple[str, ...]) -> tuple[int, ...]:
-        wl = ctx.workload((Recompute.OPS, kept)).model_copy(  # type: ignore[arg-type]
-            update={"micro_batch_size": fit.mbs})
-        peaks[kept] = stage_peaks(ctx.spec, fit.par, wl, m, ctx.ovh)
+        wl = _with_mbs(ctx.workload((Recompute.OPS, kept)), fit.mbs)  # type: ignore[arg-type]
+        key = (fit.par, wl, m)
+        if key not in ctx.ops_peaks:  # (asked before: by an earlier search's choice)
+            ctx.ops_peaks[key] = stage_peaks(ctx.spec, fit.par, wl, m, ctx.ovh)
+            ctx.evaluated += 1
+        peaks[kept] = ctx.ops_peaks[key]
         return peaks[kept]
 
-    chosen, asked = choose_per_stage(sets, at, budget, known, forward)
-    ctx.evaluated += asked
+    chosen, _ = choose_per_stage(sets, at, budget, known, forward)
     if any(c is None for c in chosen):
         return fit
     for c in {c.kept for c in chosen} - set(peaks):  # ``known`` taken unasked
         at(c)  # type: ignore[arg-type]
-        ctx.evaluated += 1
     kept = stage_lists([c.kept for c in chosen])  # type: ignore[union-attr]
     return replace(fit, policy=(Recompute.OPS, kept),  # type: ignore[arg-type]
                    peak_bytes=max(peaks[c.kept][i]  # type: ignore[union-attr]
