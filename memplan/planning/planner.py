@@ -598,9 +598,9 @@ class _Context:
     evaluated: int = 0  # exact evaluations beyond the searches'
     # every search's evaluations, by (layout, workload, size): a search again repeats some
     known: dict = field(default_factory=dict)
-    # the step seconds of every (layout, policy, micro-batch, parameters) row a bound read
-    # (``_fastest_possible``)
-    fastest: dict = field(default_factory=dict)
+    # the step seconds of every (layout, policy, micro-batch, parameters) row timed
+    # (``_row_seconds``)
+    step_s: dict = field(default_factory=dict)
     # op-level save sets' peaks, by (layout, workload, micro-batch) (``_with_save_set``: the
     # most loaded rank's) and by (layout, workload, micro-batches) (``_with_stage_sets``: every
     # stage's): a search again chooses many of the same sets
@@ -643,7 +643,7 @@ def _with_save_sets(ctx: _Context, fit: _Fit,
         out.append(_with_save_set(ctx, replace(fit, mbs=b), known))
         known = max(known, _set_index(ctx, out[-1]))
         if bounds is not None:
-            fastest = min(fastest, float(_times(ctx, out[-1:]).step_s[0]))
+            fastest = min(fastest, _seconds(ctx, out[-1:])[0])
     return out
 
 
@@ -674,13 +674,13 @@ def _with_all_save_sets(ctx: _Context, fits: list[_Fit], top: int | None,
         return plain + [w for f in ops for w in _with_save_sets(ctx, f)], float("inf")
     rows = [(f.par, _fastest_policy(ctx, f.policy), b, f.num_params)
             for f in ops for b in _ops_sizes(ctx, f)]
-    step = _row_times(ctx, rows).step_s
+    step = _row_seconds(ctx, rows)
     bounds, at = [], 0
     for f in ops:
         n = len(_ops_sizes(ctx, f))
-        bounds.append([float(t) for t in step[at:at + n]])
+        bounds.append(step[at:at + n])
         at += n
-    best = sorted(float(t) for t in _times(ctx, plain).step_s) if plain else []
+    best = sorted(_seconds(ctx, plain)) if plain else []
     out = list(plain)
     for n, (each, f) in enumerate(sorted(zip(bounds, ops), key=lambda x: min(x[0]))):
         bound = min(each)
@@ -691,7 +691,7 @@ def _with_all_save_sets(ctx: _Context, fits: list[_Fit], top: int | None,
         out += found
         # the ranking keeps a layout's fastest micro-batch only (``_ranked``): one time a fit
         if found:
-            best = sorted(best + [float(_times(ctx, found).step_s.min())])
+            best = sorted(best + [min(_seconds(ctx, found))])
     return out, float("inf")
 
 
@@ -890,7 +890,7 @@ def _search_levels(ctx: _Context, pars: list[ParallelConfig],
                 continue
             levels.append(_search_one(ctx, pars, policies, level, index, sizes, above, slope))
             if top is not None and (new := levels[-1].fits(pars, policies)):
-                fit_times.extend(float(t) for t in _times(ctx, new).step_s)
+                fit_times.extend(_seconds(ctx, new))
     return levels, pruned, sure
 
 
@@ -912,7 +912,7 @@ def _catch_up(ctx: _Context, pars: list[ParallelConfig],
         if again:
             levels.append(_search_one(ctx, pars, policies, level, again, sizes, above, slope))
             if new := levels[-1].fits(pars, policies):
-                fit_times.extend(float(t) for t in _times(ctx, new).step_s)
+                fit_times.extend(_seconds(ctx, new))
     for i in late:
         skipped[i] = []
     return [i for i in index if sizes[i][-1] > above[i]]
@@ -970,14 +970,7 @@ def _fastest_possible(ctx: _Context, rows: list[tuple[ParallelConfig,
     fewest = [_fewest_params(ctx, par, policy) if with_params else 0 for par, policy, _ in rows]
     flat = [(par, _fastest_policy(ctx, policy), b, n)
             for (par, policy, bs), n in zip(rows, fewest) for b in bs]
-    # each row's time is its own (``step_times`` is elementwise: ``timing.step_time`` gives
-    # the same floats one row at a time), so a row asked before is read back: a search again
-    # (``plan``'s next ``_plan_once``) asks the same layouts' bounds
-    done = ctx.fastest
-    new = [row for row in dict.fromkeys(flat) if row not in done]
-    if new:
-        done.update(zip(new, _row_times(ctx, new).step_s.tolist()))
-    step = [done[row] for row in flat]
+    step = _row_seconds(ctx, flat)
     out, at = [], 0
     for _, _, bs in rows:
         out.append(min(step[at:at + len(bs)]) if bs else float("inf"))
@@ -1010,6 +1003,25 @@ def _fewest_params(ctx: _Context, par: ParallelConfig,
 def _times(ctx: _Context, fits: list[_Fit]) -> StepTimes:
     """The step-time model of every fit in one vectorised pass."""
     return _row_times(ctx, [(f.par, f.policy, f.mbs, f.num_params) for f in fits])
+
+
+def _seconds(ctx: _Context, fits: list[_Fit]) -> list[float]:
+    """``_times(ctx, fits).step_s``, each fit timed once per plan (``_row_seconds``)."""
+    return _row_seconds(ctx, [(f.par, f.policy, f.mbs, f.num_params) for f in fits])
+
+
+def _row_seconds(ctx: _Context, rows: list[tuple[ParallelConfig, tuple[Recompute, int | None],
+                                                 int, int]]) -> list[float]:
+    """``_row_times(ctx, rows).step_s`` as floats. A row's time is its own (``step_times``
+    is elementwise: ``timing.step_time`` gives the same floats one row at a time), so a row
+    timed before is read back (``_Context.step_s``): a search again (``plan``'s next
+    ``_plan_once``) times the same bounds and fits, and a fit's save sets are timed one by
+    one."""
+    done = ctx.step_s
+    new = [row for row in dict.fromkeys(rows) if row not in done]
+    if new:
+        done.update(zip(new, _row_times(ctx, new).step_s.tolist()))
+    return [done[row] for row in rows]
 
 
 def _row_times(ctx: _Context, rows: list[tuple[ParallelConfig, tuple[Recompute, int | None],
