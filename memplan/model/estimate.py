@@ -250,9 +250,10 @@ def most_loaded(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, ovh:
     parts = parts or memo.stage_parts(spec, par, wl)
     shared = None if staged(wl) else _shared(spec, par, wl, parts)
     template = None if staged(wl) else _template(par, parts)
+    held = (0 if template is None else  # (the template's micro-batches in flight, once)
+            sum(memo.in_flight(par.pp, par.vpp, m, template, schedule, par.vpp_group)))
     stages = [i for i in range(par.pp) if not (_follows(par, parts, template, i) and (
-        sum(memo.in_flight(par.pp, par.vpp, m, i, schedule, par.vpp_group))
-        <= sum(memo.in_flight(par.pp, par.vpp, m, template, schedule, par.vpp_group))))]
+        sum(memo.in_flight(par.pp, par.vpp, m, i, schedule, par.vpp_group)) <= held))]
     each = [(i, stage_workload(wl, i) if staged(wl) else wl) for i in stages]
     terms = [(i, swl, shared or _shared(spec, par, swl, parts)) for i, swl in each]
     prepared: dict[int, Prepared] = {}  # the walk's inputs each floor made, for its walk
