@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from memplan import presets
 from memplan.hardware import GpuSpec
 from memplan.model import adapters, fsdp1, memo, sac_ops, step_in_backward, te_fp8
+from memplan.model.collector import with_older_frozen
 from memplan.model.dims import Dims
 from memplan.model.head import in_loss
 from memplan.model.layer import ops_items, ops_kinds
@@ -136,6 +137,7 @@ class Estimate(NamedTuple):
         return self.worst
 
 
+@with_older_frozen  # its collections walk only what it makes (``memplan.model.collector``)
 def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *,
              capacity_bytes: int | None = None, overheads: Overheads | None = None,
              schedule: Schedule = Schedule.ONE_F_ONE_B) -> Estimate:
