@@ -3,7 +3,7 @@
 A first estimate of a configuration fills the per-layout and stage-walk caches
 (``memplan.model.memo``) with NamedTuples and tuples of them, and a plan's search and its
 allocator replays make tens of thousands of objects that live until the pass ends. CPython's
-collector untracks only exact tuples whose items are untracked (``Modules/gcmodule.c``,
+collector untracks only exact tuples whose items are untracked (3.11 ``Modules/gcmodule.c``,
 ``untrack_tuples`` calls ``_PyTuple_MaybeUntrack`` on ``PyTuple_CheckExact`` objects), so a
 NamedTuple stays tracked for ever: every object a pass keeps counts towards the next
 collection, and every full collection walks every cache entry made before (and the whole
@@ -16,13 +16,13 @@ Two ways, each leaving the collector as it was found:
 - ``with_older_frozen`` (an estimate): the objects older than the call moved to the permanent
   generation (``gc.freeze``) for the call and back to the oldest one after (``gc.unfreeze``;
   both splice lists, whatever their length), so the collections the call triggers walk only
-  what it made. Callgrind, as above: 1,283,338 per estimate through ``memplan.estimate``.
+  what it made. Callgrind, as above: 1,291,005 per estimate (-4.6%).
   Skipped where something is frozen already (the caller's own ``gc.freeze``, before a fork,
   is not undone) or the collector is off.
 - ``collector_paused`` / ``with_collector_paused`` (a plan, an allocator replay): no
   collection at all until the pass ends; its objects are collected at the first collection
-  after. Pausing an estimate alone saves nothing: the collections it defers come right
-  after it, over the same objects.
+  after. Pausing an estimate alone saves nothing (callgrind, as above: 1,359,583 per
+  estimate): the collections it defers come right after it, over the same objects.
 """
 
 from __future__ import annotations
