@@ -18,7 +18,7 @@ import numpy as np
 from memplan.errors import LayoutError, MemplanError
 from memplan.hardware import GpuSpec
 from memplan.model import te_fp8
-from memplan.model.collector import with_collector_paused
+from memplan.model.collector import with_older_frozen
 from memplan.model.estimate import Estimate, estimate
 from memplan.model.memo import fewest_stage_params
 from memplan.overheads import Overheads, default_overheads, with_library_workspaces
@@ -360,7 +360,7 @@ def _policy_tuple(allowed: tuple[Recompute, ...], stage_layers: int
     return tuple(out)
 
 
-@with_collector_paused  # the search and its replays make objects that outlive it (``collector``)
+@with_older_frozen  # its collections walk only what it makes (``memplan.model.collector``)
 def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
          capacity_bytes: int | None = None, safety: float = DEFAULT_SAFETY,
          max_tp: int | None = None, fixed: dict[str, object] | None = None,
