@@ -1013,10 +1013,10 @@ def _seconds(ctx: _Context, fits: list[_Fit]) -> list[float]:
 def _row_seconds(ctx: _Context, rows: list[tuple[ParallelConfig, tuple[Recompute, int | None],
                                                  int, int]]) -> list[float]:
     """``_row_times(ctx, rows).step_s`` as floats. A row's time is its own (``step_times``
-    is elementwise: ``timing.step_time`` gives the same floats one row at a time), so a row
-    timed before is read back (``_Context.step_s``): a search again (``plan``'s next
-    ``_plan_once``) times the same bounds and fits, and a fit's save sets are timed one by
-    one."""
+    is elementwise: ``timing.step_time`` gives the same floats one row at a time,
+    tests/unit/test_planner_vector.py), so a row timed before is read back
+    (``_Context.step_s``): a search again (``plan``'s next ``_plan_once``) times the same
+    bounds and fits, and a fit's save sets are timed one by one."""
     done = ctx.step_s
     new = [row for row in dict.fromkeys(rows) if row not in done]
     if new:
