@@ -17,8 +17,9 @@ Two ways, each leaving the collector as it was found:
   generation (``gc.freeze``) for the call and back to the oldest one after (``gc.unfreeze``;
   both splice lists, whatever their length), so the collections the call triggers walk only
   what it made. Callgrind, as above: 1,291,005 per estimate (-4.6%).
-  Skipped where something is frozen already (the caller's own ``gc.freeze``, before a fork,
-  is not undone) or the collector is off.
+  Skipped inside another such call, where the collector is off, and for good once the
+  process was seen with objects someone else froze (a server's ``gc.freeze`` before it
+  forks is not undone).
 - ``collector_paused`` (an allocator replay): no collection at all until the block ends;
   its objects are collected at the first collection after. Pausing an estimate alone
   saves nothing (callgrind, as above: 1,359,583 per estimate): the collections it defers
@@ -54,19 +55,32 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+# with_older_frozen's state: a call of it under way (a nested one, an estimate inside a
+# plan, does nothing), and whether the process was seen with objects frozen by someone else
+_DEPTH = [0]
+_CALLER_FREEZES = [False]
+
+
 def with_older_frozen(function: Callable[P, R]) -> Callable[P, R]:
     """``function`` run with every object made before it frozen (``gc.freeze``), unfrozen
-    after it returns or raises; as called where the collector is off or something is frozen
-    already. The same signature and docstring (``functools.wraps``)."""
+    after it returns or raises; as called inside another such call, where the collector is
+    off, or once any object was seen frozen by someone else (a server that freezes before
+    it forks: never undone, and never counted again, as ``gc.get_freeze_count`` walks the
+    frozen objects one by one). The same signature and docstring (``functools.wraps``)."""
 
     @wraps(function)
     def frozen(*args: P.args, **kwargs: P.kwargs) -> R:
-        if gc.get_freeze_count() or not gc.isenabled():
+        if _DEPTH[0] or _CALLER_FREEZES[0] or not gc.isenabled():
             return function(*args, **kwargs)
+        if gc.get_freeze_count():
+            _CALLER_FREEZES[0] = True
+            return function(*args, **kwargs)
+        _DEPTH[0] = 1
         gc.freeze()
         try:
             return function(*args, **kwargs)
         finally:
+            _DEPTH[0] = 0
             gc.unfreeze()
 
     return frozen

@@ -8,6 +8,7 @@ import gc
 import pytest
 
 import memplan
+from memplan.model import collector
 from memplan.model.collector import collector_paused, with_older_frozen
 
 
@@ -20,15 +21,23 @@ def _seen() -> tuple[bool, int]:
     return _state()
 
 
+def _nested() -> tuple[tuple[bool, int], int]:
+    """What a wrapped call inside a wrapped call sees, and the frozen count after it."""
+    return with_older_frozen(_seen)(), gc.get_freeze_count()
+
+
 def _fails() -> None:
     raise ValueError("inside")
 
 
 def test_older_frozen_during_the_call_only():
     assert _state() == (True, 0)
-    held = [object() for _ in range(10)]  # (tracked objects made before the call)
+    held = [[n] for n in range(10)]  # (tracked objects made before the call)
     enabled, frozen = with_older_frozen(_seen)()
     assert enabled and frozen >= 1
+    # a call inside the call (an estimate inside a plan) leaves the outer one's frozen
+    (_, inside), after_inner = with_older_frozen(_nested)()
+    assert inside >= 1 and after_inner >= 1
     assert _state() == (True, 0)
     with pytest.raises(ValueError, match="inside"):
         with_older_frozen(_fails)()
@@ -36,7 +45,8 @@ def test_older_frozen_during_the_call_only():
     del held
 
 
-def test_a_callers_freeze_and_a_disabled_collector_are_kept():
+def test_a_callers_freeze_and_a_disabled_collector_are_kept(monkeypatch):
+    monkeypatch.setattr(collector, "_CALLER_FREEZES", [False])
     gc.freeze()
     try:
         before = gc.get_freeze_count()
@@ -44,6 +54,9 @@ def test_a_callers_freeze_and_a_disabled_collector_are_kept():
         assert gc.get_freeze_count() == before
     finally:
         gc.unfreeze()
+    # once seen, never again: the count walks every frozen object
+    assert collector._CALLER_FREEZES == [True]
+    assert with_older_frozen(_seen)() == (True, 0)
     gc.disable()
     try:
         assert with_older_frozen(_seen)() == (False, 0)
