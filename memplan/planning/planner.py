@@ -411,6 +411,7 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
         if again is None:
             return found
         spent = (found.evaluated, found.replayed)
+        ctx.again = True  # (the rows the searches timed are read back from now on)
         if again == float("inf"):
             # Fewer than ``top`` fit the reserved check: search again for twice as many
             # (each search skips less than the last, so this ends; at the latest with
@@ -599,8 +600,11 @@ class _Context:
     # every search's evaluations, by (layout, workload, size): a search again repeats some
     known: dict = field(default_factory=dict)
     # the step seconds of every (layout, policy, micro-batch, parameters) row timed
-    # (``_row_seconds``)
+    # (``_row_seconds``): in the first search kept as timed (``timed``, rows and seconds),
+    # by row once a search runs again (``again``)
     step_s: dict = field(default_factory=dict)
+    timed: list = field(default_factory=list)
+    again: bool = False
     # op-level save sets' peaks, by (layout, workload, micro-batch) (``_with_save_set``: the
     # most loaded rank's) and by (layout, workload, micro-batches) (``_with_stage_sets``: every
     # stage's): a search again chooses many of the same sets
@@ -1016,8 +1020,17 @@ def _row_seconds(ctx: _Context, rows: list[tuple[ParallelConfig, tuple[Recompute
     is elementwise: ``timing.step_time`` gives the same floats one row at a time,
     tests/unit/test_planner_vector.py), so a row timed before is read back
     (``_Context.step_s``): a search again (``plan``'s next ``_plan_once``) times the same
-    bounds and fits, and a fit's save sets are timed one by one."""
+    bounds and fits, and a fit's save sets are timed one by one. Hashing a row costs
+    about what timing it does (its layout's and policy's hashes are Python calls), so the
+    first search only keeps them, and they are keyed when a search runs again."""
+    if not ctx.again:
+        seconds = _row_times(ctx, rows).step_s.tolist()
+        ctx.timed.append((rows, seconds))
+        return seconds
     done = ctx.step_s
+    for timed, seconds in ctx.timed:
+        done.update(zip(timed, seconds))
+    ctx.timed.clear()
     new = [row for row in dict.fromkeys(rows) if row not in done]
     if new:
         done.update(zip(new, _row_times(ctx, new).step_s.tolist()))
