@@ -35,13 +35,12 @@ stage is replayed with a few layers per run and the reserved bytes extrapolated
 
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
 from fractions import Fraction
 from itertools import accumulate, repeat
 from typing import NamedTuple
 
 from memplan.model.allocator import Alloc, AllocatorConfig, Blip, Free, replay_reserved
+from memplan.model.collector import collector_paused
 from memplan.model.nf4_init import qlora_setup
 from memplan.model.nf4_init import stored_bytes as nf4_stored_bytes
 from memplan.model.sharding import Held, end_moments, forward_positions, head_moments, run_positions
@@ -585,29 +584,15 @@ class StageReplay(NamedTuple):
         return self.reserved_peak_bytes - self.tensor_peak_bytes
 
 
-@contextmanager
-def _collector_paused():
-    """The cyclic garbage collector off for the block (as it was after): a sequence and its
-    replay make tens of thousands of events and blocks that all live until the replay
-    ends, so the collections their allocations trigger (full ones among them, over every
-    object of the process) find nothing to free; the allocator's linked blocks are
-    collected at the first collection after."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def _replay_caps(s: StageInputs, cfg: AllocatorConfig, caps: tuple[int, ...] | None,
                  limit: tuple[int, int] | None = None
                  ) -> tuple[tuple[int, ...], int, int, int | None, int]:
     """(reserved at setup's and each step's end, the sequence's tensor peak, its events, the
     step whose allocation failed, the reserved peak); ``limit``: ``replay_stage``'s. Built
-    and replayed with the cyclic garbage collector paused (``_collector_paused``)."""
-    with _collector_paused():
+    and replayed with the cyclic garbage collector paused (``collector_paused``: a sequence
+    and its replay make tens of thousands of events and blocks that all live until the
+    replay ends; the allocator's linked blocks are collected at the first collection after)."""
+    with collector_paused():
         b = stage_sequence(s, caps)
         if limit is not None:
             cfg = cfg.model_copy(update={"capacity_bytes": limit[1] - (limit[0] - b.peak)})

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from memplan import presets
 from memplan.hardware import GpuSpec
 from memplan.model import adapters, fsdp1, memo, sac_ops, step_in_backward, te_fp8
+from memplan.model.collector import with_older_frozen
 from memplan.model.dims import Dims
 from memplan.model.head import in_loss
 from memplan.model.layer import ops_items, ops_kinds
@@ -136,6 +137,7 @@ class Estimate(NamedTuple):
         return self.worst
 
 
+@with_older_frozen  # its collections walk only what it makes (``memplan.model.collector``)
 def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *,
              capacity_bytes: int | None = None, overheads: Overheads | None = None,
              schedule: Schedule = Schedule.ONE_F_ONE_B) -> Estimate:
@@ -250,9 +252,10 @@ def most_loaded(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, ovh:
     parts = parts or memo.stage_parts(spec, par, wl)
     shared = None if staged(wl) else _shared(spec, par, wl, parts)
     template = None if staged(wl) else _template(par, parts)
+    held = (0 if template is None else  # (the template's micro-batches in flight, once)
+            sum(memo.in_flight(par.pp, par.vpp, m, template, schedule, par.vpp_group)))
     stages = [i for i in range(par.pp) if not (_follows(par, parts, template, i) and (
-        sum(memo.in_flight(par.pp, par.vpp, m, i, schedule, par.vpp_group))
-        <= sum(memo.in_flight(par.pp, par.vpp, m, template, schedule, par.vpp_group))))]
+        sum(memo.in_flight(par.pp, par.vpp, m, i, schedule, par.vpp_group)) <= held))]
     each = [(i, stage_workload(wl, i) if staged(wl) else wl) for i in stages]
     terms = [(i, swl, shared or _shared(spec, par, swl, parts)) for i, swl in each]
     prepared: dict[int, Prepared] = {}  # the walk's inputs each floor made, for its walk

@@ -18,6 +18,7 @@ import numpy as np
 from memplan.errors import LayoutError, MemplanError
 from memplan.hardware import GpuSpec
 from memplan.model import te_fp8
+from memplan.model.collector import with_older_frozen
 from memplan.model.estimate import Estimate, estimate
 from memplan.model.memo import fewest_stage_params
 from memplan.overheads import Overheads, default_overheads, with_library_workspaces
@@ -38,7 +39,7 @@ from memplan.parallel import (
 )
 from memplan.planning.batch_sizes import MAX_MBS, divisors, micro_batch_sizes
 from memplan.presets import accumulation_refused
-from memplan.planning.search import Found, Job, Search, evaluate
+from memplan.planning.search import Found, Job, Search, _with_mbs, evaluate
 from memplan.planning.timing import (
     Columns,
     StepTime,
@@ -359,6 +360,7 @@ def _policy_tuple(allowed: tuple[Recompute, ...], stage_layers: int
     return tuple(out)
 
 
+@with_older_frozen  # its collections walk only what it makes (``memplan.model.collector``)
 def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
          capacity_bytes: int | None = None, safety: float = DEFAULT_SAFETY,
          max_tp: int | None = None, fixed: dict[str, object] | None = None,
@@ -409,6 +411,7 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
         if again is None:
             return found
         spent = (found.evaluated, found.replayed)
+        ctx.again = True  # (the rows the searches timed are read back from now on)
         if again == float("inf"):
             # Fewer than ``top`` fit the reserved check: search again for twice as many
             # (each search skips less than the last, so this ends; at the latest with
@@ -596,6 +599,16 @@ class _Context:
     evaluated: int = 0  # exact evaluations beyond the searches'
     # every search's evaluations, by (layout, workload, size): a search again repeats some
     known: dict = field(default_factory=dict)
+    # the step seconds of every (layout, policy, micro-batch, parameters) row timed
+    # (``_row_seconds``): in the first search kept as timed (``timed``, rows and seconds),
+    # by row once a search runs again (``again``)
+    step_s: dict = field(default_factory=dict)
+    timed: list = field(default_factory=list)
+    again: bool = False
+    # op-level save sets' peaks, by (layout, workload, micro-batch) (``_with_save_set``: the
+    # most loaded rank's) and by (layout, workload, micro-batches) (``_with_stage_sets``: every
+    # stage's): a search again chooses many of the same sets
+    ops_peaks: dict = field(default_factory=dict)
 
     def workload(self, policy: tuple[Recompute, int | None]) -> Workload:
         return _policy_workload(self.wl, *policy)
@@ -634,7 +647,7 @@ def _with_save_sets(ctx: _Context, fit: _Fit,
         out.append(_with_save_set(ctx, replace(fit, mbs=b), known))
         known = max(known, _set_index(ctx, out[-1]))
         if bounds is not None:
-            fastest = min(fastest, float(_times(ctx, out[-1:]).step_s[0]))
+            fastest = min(fastest, _seconds(ctx, out[-1:])[0])
     return out
 
 
@@ -665,13 +678,13 @@ def _with_all_save_sets(ctx: _Context, fits: list[_Fit], top: int | None,
         return plain + [w for f in ops for w in _with_save_sets(ctx, f)], float("inf")
     rows = [(f.par, _fastest_policy(ctx, f.policy), b, f.num_params)
             for f in ops for b in _ops_sizes(ctx, f)]
-    step = _row_times(ctx, rows).step_s
+    step = _row_seconds(ctx, rows)
     bounds, at = [], 0
     for f in ops:
         n = len(_ops_sizes(ctx, f))
-        bounds.append([float(t) for t in step[at:at + n]])
+        bounds.append(step[at:at + n])
         at += n
-    best = sorted(float(t) for t in _times(ctx, plain).step_s) if plain else []
+    best = sorted(_seconds(ctx, plain)) if plain else []
     out = list(plain)
     for n, (each, f) in enumerate(sorted(zip(bounds, ops), key=lambda x: min(x[0]))):
         bound = min(each)
@@ -682,7 +695,7 @@ def _with_all_save_sets(ctx: _Context, fits: list[_Fit], top: int | None,
         out += found
         # the ranking keeps a layout's fastest micro-batch only (``_ranked``): one time a fit
         if found:
-            best = sorted(best + [float(_times(ctx, found).step_s.min())])
+            best = sorted(best + [min(_seconds(ctx, found))])
     return out, float("inf")
 
 
@@ -737,9 +750,11 @@ def _with_save_set(ctx: _Context, fit: _Fit, known: int = 0,
     budget = ctx.budget if budget is None else budget
 
     def fits(kept: tuple[str, ...]) -> int:
-        peaks[kept] = evaluate(ctx.spec, fit.par, ctx.workload((Recompute.OPS, kept)),
-                               fit.mbs, ctx.ovh).peak_bytes
-        ctx.evaluated += 1
+        key = (fit.par, ctx.workload((Recompute.OPS, kept)), fit.mbs)
+        if key not in ctx.ops_peaks:  # (asked before: by an earlier search's choice)
+            ctx.ops_peaks[key] = evaluate(ctx.spec, *key, ctx.ovh).peak_bytes
+            ctx.evaluated += 1
+        peaks[kept] = ctx.ops_peaks[key]
         return budget - peaks[kept]  # (how far from the budget: choose guesses with it)
 
     dm = Dims.of(ctx.spec, fit.par, wl)
@@ -768,18 +783,19 @@ def _with_stage_sets(ctx: _Context, fit: _Fit, sets: tuple, known: int,
     peaks: dict[tuple[str, ...], tuple[int, ...]] = {}
 
     def at(kept: tuple[str, ...]) -> tuple[int, ...]:
-        wl = ctx.workload((Recompute.OPS, kept)).model_copy(  # type: ignore[arg-type]
-            update={"micro_batch_size": fit.mbs})
-        peaks[kept] = stage_peaks(ctx.spec, fit.par, wl, m, ctx.ovh)
+        wl = _with_mbs(ctx.workload((Recompute.OPS, kept)), fit.mbs)  # type: ignore[arg-type]
+        key = (fit.par, wl, m)
+        if key not in ctx.ops_peaks:  # (asked before: by an earlier search's choice)
+            ctx.ops_peaks[key] = stage_peaks(ctx.spec, fit.par, wl, m, ctx.ovh)
+            ctx.evaluated += 1
+        peaks[kept] = ctx.ops_peaks[key]
         return peaks[kept]
 
-    chosen, asked = choose_per_stage(sets, at, budget, known, forward)
-    ctx.evaluated += asked
+    chosen, _ = choose_per_stage(sets, at, budget, known, forward)
     if any(c is None for c in chosen):
         return fit
     for c in {c.kept for c in chosen} - set(peaks):  # ``known`` taken unasked
         at(c)  # type: ignore[arg-type]
-        ctx.evaluated += 1
     kept = stage_lists([c.kept for c in chosen])  # type: ignore[union-attr]
     return replace(fit, policy=(Recompute.OPS, kept),  # type: ignore[arg-type]
                    peak_bytes=max(peaks[c.kept][i]  # type: ignore[union-attr]
@@ -878,7 +894,7 @@ def _search_levels(ctx: _Context, pars: list[ParallelConfig],
                 continue
             levels.append(_search_one(ctx, pars, policies, level, index, sizes, above, slope))
             if top is not None and (new := levels[-1].fits(pars, policies)):
-                fit_times.extend(float(t) for t in _times(ctx, new).step_s)
+                fit_times.extend(_seconds(ctx, new))
     return levels, pruned, sure
 
 
@@ -900,7 +916,7 @@ def _catch_up(ctx: _Context, pars: list[ParallelConfig],
         if again:
             levels.append(_search_one(ctx, pars, policies, level, again, sizes, above, slope))
             if new := levels[-1].fits(pars, policies):
-                fit_times.extend(float(t) for t in _times(ctx, new).step_s)
+                fit_times.extend(_seconds(ctx, new))
     for i in late:
         skipped[i] = []
     return [i for i in index if sizes[i][-1] > above[i]]
@@ -958,10 +974,10 @@ def _fastest_possible(ctx: _Context, rows: list[tuple[ParallelConfig,
     fewest = [_fewest_params(ctx, par, policy) if with_params else 0 for par, policy, _ in rows]
     flat = [(par, _fastest_policy(ctx, policy), b, n)
             for (par, policy, bs), n in zip(rows, fewest) for b in bs]
-    step = _row_times(ctx, flat).step_s
+    step = _row_seconds(ctx, flat)
     out, at = [], 0
     for _, _, bs in rows:
-        out.append(float(step[at:at + len(bs)].min()) if bs else float("inf"))
+        out.append(min(step[at:at + len(bs)]) if bs else float("inf"))
         at += len(bs)
     return out
 
@@ -991,6 +1007,34 @@ def _fewest_params(ctx: _Context, par: ParallelConfig,
 def _times(ctx: _Context, fits: list[_Fit]) -> StepTimes:
     """The step-time model of every fit in one vectorised pass."""
     return _row_times(ctx, [(f.par, f.policy, f.mbs, f.num_params) for f in fits])
+
+
+def _seconds(ctx: _Context, fits: list[_Fit]) -> list[float]:
+    """``_times(ctx, fits).step_s``, each fit timed once per plan (``_row_seconds``)."""
+    return _row_seconds(ctx, [(f.par, f.policy, f.mbs, f.num_params) for f in fits])
+
+
+def _row_seconds(ctx: _Context, rows: list[tuple[ParallelConfig, tuple[Recompute, int | None],
+                                                 int, int]]) -> list[float]:
+    """``_row_times(ctx, rows).step_s`` as floats. A row's time is its own (``step_times``
+    is elementwise: ``timing.step_time`` gives the same floats one row at a time,
+    tests/unit/test_planner_vector.py), so a row timed before is read back
+    (``_Context.step_s``): a search again (``plan``'s next ``_plan_once``) times the same
+    bounds and fits, and a fit's save sets are timed one by one. Hashing a row costs
+    about what timing it does (its layout's and policy's hashes are Python calls), so the
+    first search only keeps them, and they are keyed when a search runs again."""
+    if not ctx.again:
+        seconds = _row_times(ctx, rows).step_s.tolist()
+        ctx.timed.append((rows, seconds))
+        return seconds
+    done = ctx.step_s
+    for timed, seconds in ctx.timed:
+        done.update(zip(timed, seconds))
+    ctx.timed.clear()
+    new = [row for row in dict.fromkeys(rows) if row not in done]
+    if new:
+        done.update(zip(new, _row_times(ctx, new).step_s.tolist()))
+    return [done[row] for row in rows]
 
 
 def _row_times(ctx: _Context, rows: list[tuple[ParallelConfig, tuple[Recompute, int | None],
