@@ -892,8 +892,8 @@ class MoE:
         saved = total(self.saved(spec, wl, dm, recompute))
         moments = [Moment("mlp", saved, stream)]
         if dm.compiled and wl.moe_impl is MoeImpl.TITAN:
-            return moments + [Moment("moe_combine", saved,
-                                     stream + moe_titan.compiled_combine_bytes(spec, dm))]
+            terms = self.saved(spec, wl, dm, recompute)
+            return moments + moe_titan.compiled_forward(spec, dm, terms, stream)
         if dm.compiled:
             # Inductor's kernels make the block's output beside what it saves, no eager
             # working set (traced: tests/traced/test_compile_trace.py, the layer's forward

@@ -42,6 +42,7 @@ from functools import lru_cache
 from memplan.errors import LayoutError
 from memplan.model import mlp, sac
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
+from memplan.model.block import Moment
 from memplan.presets import titan_moe_refusal
 from memplan.spec import ModelSpec, MoESpec
 from memplan.units import DType
@@ -295,6 +296,31 @@ def working_bytes(spec: ModelSpec, dm: Dims) -> int:
     # gone by the combine
     offsets = moe.num_experts // dm.ep * OFFSET_BYTES
     return routing + rows + max(experts, rows + zeros + max(product, scatter) - offsets)
+
+
+def compiled_forward(spec: ModelSpec, dm: Dims, terms: list[Term],
+                     stream: int) -> list[Moment]:
+    """The compiled block's forward moments (``memplan.model.compiled.titan_moe_terms``'s
+    ``terms``; ``stream``: the combine's scatter output, T h e) beside its saved set:
+
+    - the combine (``compiled_combine_bytes``), before a shared expert has run: its saved
+      terms (w1's and w3's outputs and their product, ``moe.shared.*``) not yet made;
+    - with a shared expert (``FeedForward``, after the routed experts: ``MoE.forward``), its
+      w2 matmul (an extern mm, its own T h e output) beside the routed output and the whole
+      saved set; the add of the two outputs and the residual is a pointwise kernel that
+      reuses a freed input's buffer (torch/_inductor/scheduler.py ``Scheduler.
+      can_buffer_be_removed``/in-place reuse; torch 2.13), no third T h tensor.
+
+    Traced (tests/traced/test_compile_trace.py, torchtitan 0.3.0's Qwen3 MoE block with a
+    shared expert of width 96, bf16): 2 x 64 tokens 729,104 B above the input, 2 x 256
+    2,910,224 B, both the saved set and one T h x 2 B tensor, exact."""
+    saved = sum(t.size_bytes for t in terms)
+    shared = sum(t.size_bytes for t in terms if t.name.startswith("moe.shared."))
+    moments = [Moment("moe_combine", saved - shared, stream + compiled_combine_bytes(spec, dm))]
+    if shared:
+        moments.append(Moment("moe_shared_out", saved,
+                              stream + dm.rows * spec.hidden_size * dm.e))
+    return moments
 
 
 def compiled_combine_bytes(spec: ModelSpec, dm: Dims, backward: bool = False) -> int:
