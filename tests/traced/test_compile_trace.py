@@ -1291,3 +1291,49 @@ def test_titan_block_keeps_its_rope_cache(config: dict, dtype: str, cache_dtype:
         spec, rope = _spec("torchtitan", True), "layer"
     wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, compile=True, rope_cache=rope)
     assert rope_buffer_bytes(spec, wl, 1) == cache_bytes
+
+
+# the same block with a shared expert (FeedForward of width 96, make_ffn_config, run after the
+# routed experts: MoE.forward)
+TITAN_MOE_SHARED = {"torchtitan_moe": TITAN_MOE["torchtitan_moe"] | {"shared_hidden_dim": 96}}
+
+
+@pytest.mark.parametrize("seq,saved,forward,backward", [
+    (64, 696_336, 729_104, 869_248), (256, 2_779_152, 2_910_224, 2_787_344)])
+def test_compiled_titan_moe_block_with_a_shared_expert(seq: int, saved: int, forward: int,
+                                                       backward: int) -> None:
+    """torchtitan's MoE block with a shared expert compiled whole (one compile per size, the
+    C++ backend's kernel groups, GPU realization as ``test_compiled_titan_moe_block_phase_
+    peaks``). Saved: the routed block's set and, of the shared expert, its input (the ffn
+    norm's output, T h x 2), w1's and w3's outputs and their product (3 x T f x 2; SiLU
+    recomputed): at T = 128 589,840 + 32,768 + 73,728 = 696,336, exact at both sizes
+    (``compiled.titan_moe_terms``). Forward: the shared w2's matmul, the whole saved set
+    beside the routed output and w2's own (T h x 2 each; ``moe_titan.compiled_forward``):
+    exact at both sizes. Backward (traced, pinned here): Inductor reorders the whole block's
+    backward (the scores' gradient first, fused with the gather of the output's gradient,
+    then the router's and the shared expert's, then the routed experts'), and recomputes the
+    ffn norm's backward sum in its last kernel, so the MoE's four input gradients (routed,
+    shared w1's and w3's, T h x 2 each; the router's fp32, T h x 4) are held through the
+    attention's backward: at 2 x 64 the peak is there (869,248 B), at 2 x 256 at the
+    backward's first kernel (the saved set and 2 R x 4 B: 2,787,344). memplan's eager-order
+    moments: 850,944 (-2.1%) and 3,000,336 (+7.6%); the compile stays refused
+    (``parallel._compile_titan_moe_refusal``) until that order is modelled."""
+    from memplan.errors import LayoutError
+    from memplan.parallel import validate
+    from memplan.profile.compiled_trace import compiled_layer_step
+    from memplan.profile.frameworks import torchtitan_moe_config, torchtitan_moe_spec
+
+    spec = torchtitan_moe_spec(torchtitan_moe_config(**TITAN_MOE_SHARED["torchtitan_moe"],
+                                                     seq_len=seq), "qwen3-moe-shared")
+    wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="bf16-pure", compile=True,
+                  moe_impl="titan", framework="torchtitan", rope_cache="layer-cossin")
+    with pytest.raises(LayoutError, match="shared experts"):
+        validate(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, Dims.of(spec, ParallelConfig(), wl), True, Recompute.NONE)
+    stream = (BATCH, seq, 128)
+    traced, traced_forward, traced_backward = compiled_layer_step(
+        TITAN_MOE_SHARED, "bfloat16", BATCH, seq, kernel_per_node=False, gpu_realize=True)
+    activations = sum(t.size_bytes for t in traced if not t.graph_input or t.shape == stream)
+    assert activations == kind.saved_bytes == saved
+    assert traced_forward == kind.forward_peak_bytes - BATCH * seq * 128 * 2 == forward
+    assert traced_backward == backward

@@ -169,6 +169,31 @@ def test_compiled_in_bf16_without_shared_experts_only() -> None:
             validate(other[0], make_layout(1), other[1].model_copy(update={"compile": True}))
 
 
+def test_compiled_shared_expert_saved_set_and_forward() -> None:
+    """torchtitan's compiled block with a shared expert of f = 96 (still refused: its compiled
+    backward is not modelled), T = 256, h = 64, bf16: the shared expert saves what a compiled
+    SwiGLU saves, w1's and w3's outputs and their product (3 x T f x 2 = 147,456; SiLU(w1 x)
+    recomputed), beside the routed block's 541,712: 689,168. Forward
+    (``moe_titan.compiled_forward``): at the combine the shared terms are not made yet
+    (689,168 - 147,456 = 541,712 alive) beside the scatter output (T h x 2 = 32,768), the
+    weighted rows cast back (R h x 2 = 65,536) and the sorted scores (R x 4 = 2,048):
+    100,352; at the shared w2's matmul the whole saved set beside the routed output and w2's
+    (2 x 32,768 = 65,536)."""
+    from memplan.model import moe_titan
+
+    spec, wl, _ = _setup(num_shared_experts=1, shared_expert_ffn_hidden_size=96)
+    compiled = wl.model_copy(update={"compile": True})
+    dm = Dims.of(spec, make_layout(1), compiled)
+    terms = MoE().saved(spec, compiled, dm, compiled.recompute)
+    saved = {t.name: t.size_bytes for t in terms}
+    assert "moe.shared.act" not in saved
+    assert sum(v for k, v in saved.items() if k.startswith("moe.shared.")) == 147_456
+    assert sum(saved.values()) == 689_168
+    moments = moe_titan.compiled_forward(spec, dm, terms, 32_768)
+    assert [(m.name, m.own_bytes, m.transient_bytes) for m in moments] == [
+        ("moe_combine", 541_712, 100_352), ("moe_shared_out", 689_168, 65_536)]
+
+
 def test_split_gate_up_holds_three_stacked_tensors() -> None:
     """torchtitan's GroupedExperts (``MoESpec.split_gate_up``): w1 (E, f, h), w2 (E, h, f)
     and w3 (E, f, h), three tensors where transformers' stacked experts hold gate_up (E, 2f,
