@@ -330,7 +330,13 @@ def compiled_combine_bytes(spec: ModelSpec, dm: Dims, backward: bool = False) ->
     sorted scores it recomputed (R x 4); in backward, where it starts, the gathered gradient
     of the weighted rows and the experts' output's (R h e each, the fp32 product's kernel
     fused) and the scores' (R x 4). Traced: tests/traced/test_compile_trace.py, torchtitan's
-    Qwen3 MoE block in bf16 (the forward exact; the backward 8,048 B under: Inductor's
-    recomputed router tensors there, T x E and T x k in fp32, not modelled)."""
+    Qwen3 MoE block in bf16 (the forward exact; the backward 8,048 B under at 2 x 64).
+    Replayed from Inductor's wrapper code (its buffers' allocations and frees), the traced
+    backward peak is not here but in the attention's q/k-norm and RoPE backward kernel, the
+    MoE's input gradients (routed T h x 2, the router's fp32 T h x 4) still held (the ffn
+    norm's backward sum is recomputed in the block's last kernel); the combine's gathered
+    gradients are fused into the scores' reduction (2 R x 4 B at the start). At 2 x 256 this
+    moment is 2,881,552 B against the traced 2,424,192 (+18.9%): the compiled backward's
+    order is not modelled."""
     routed, h = dm.tokens * _moe(spec).top_k, spec.hidden_size
     return (2 if backward else 1) * routed * h * dm.e + routed * FP32_BYTES
