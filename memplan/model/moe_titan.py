@@ -42,7 +42,7 @@ from functools import lru_cache
 from memplan.errors import LayoutError
 from memplan.model import mlp, sac
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
-from memplan.model.block import Moment
+from memplan.model.block import BackwardMoment, Moment
 from memplan.presets import titan_moe_refusal
 from memplan.spec import ModelSpec, MoESpec
 from memplan.units import DType
@@ -323,20 +323,53 @@ def compiled_forward(spec: ModelSpec, dm: Dims, terms: list[Term],
     return moments
 
 
-def compiled_combine_bytes(spec: ModelSpec, dm: Dims, backward: bool = False) -> int:
-    """The compiled block's combine (``memplan.model.compiled.titan_moe_terms``), beside its
-    saved set: in forward, beside the scatter's output (stream-sized, the walk's), the
-    weighted rows cast back (Inductor fuses the fp32 product and the cast: R h e) and the
-    sorted scores it recomputed (R x 4); in backward, where it starts, the gathered gradient
-    of the weighted rows and the experts' output's (R h e each, the fp32 product's kernel
-    fused) and the scores' (R x 4). Traced: tests/traced/test_compile_trace.py, torchtitan's
-    Qwen3 MoE block in bf16 (the forward exact; the backward 8,048 B under at 2 x 64).
-    Replayed from Inductor's wrapper code (its buffers' allocations and frees), the traced
-    backward peak is not here but in the attention's q/k-norm and RoPE backward kernel, the
-    MoE's input gradients (routed T h x 2, the router's fp32 T h x 4) still held (the ffn
-    norm's backward sum is recomputed in the block's last kernel); the combine's gathered
-    gradients are fused into the scores' reduction (2 R x 4 B at the start). At 2 x 256 this
-    moment is 2,881,552 B against the traced 2,424,192 (+18.9%): the compiled backward's
-    order is not modelled."""
+def compiled_combine_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """The compiled block's combine in forward (``memplan.model.compiled.titan_moe_terms``),
+    beside its saved set and the scatter's output (stream-sized, the walk's): the weighted
+    rows cast back (Inductor fuses the fp32 product and the cast: R h e) and the sorted
+    scores it recomputed (R x 4). Traced: tests/traced/test_compile_trace.py, torchtitan's
+    Qwen3 MoE block in bf16 (2 x 64 tokens: 512 B over, not located; with a shared expert
+    the shared w2's moment is the peak, ``compiled_forward``)."""
     routed, h = dm.tokens * _moe(spec).top_k, spec.hidden_size
-    return (2 if backward else 1) * routed * h * dm.e + routed * FP32_BYTES
+    return routed * h * dm.e + routed * FP32_BYTES
+
+
+def compiled_backward(spec: ModelSpec, dm: Dims, saved: int,
+                      shared_moments: list[BackwardMoment], shared: int,
+                      waiting: int) -> list[BackwardMoment]:
+    """The compiled block's backward (``memplan.model.compiled.titan_moe_terms``) as
+    Inductor orders it (torch/_inductor/memory.py ``reorder_for_peak_memory``, torch 2.13;
+    replayed from its wrapper code, torchtitan 0.3.0's Qwen3 MoE block, bf16):
+
+    - first the routing scores' gradient: the gather of the output's gradient fused into its
+      reduction over h with the experts' saved output (two R x 4 B outputs), the whole
+      saved set alive; the experts' output (R h x 2) freed after it;
+    - then a shared expert's MLP backward (``shared_moments``, eager order) without it;
+    - then the routed experts' MLP backward from their gathered, weighted output gradient
+      (R h x 2), the shared terms freed, their input's gradient ``waiting``.
+
+    Traced (tests/traced/test_compile_trace.py, one kernel per scheduler node as a GPU
+    launches them; the peaks located by replaying the wrapper's allocations and frees): with
+    a shared expert, 2 x 256 tokens the first moment, exact; 2 x 64 the experts' input
+    projections (``mlp_in``), 2,064 B under (-0.24%); without, 2 x 64 the same moment,
+    2,064 B under. Not modelled: without a shared expert at 2 x 256 the experts' ``mlp``
+    moment is 188,416 B over the traced peak (the first moment, 2,361,360 B: +8.0%, the
+    eager order's moments +18.9%): Inductor frees the router's fp32 input copy (T h x 4)
+    early, at the gate's weight gradient, and writes the routed input gradient into the
+    saved zeros (its ``index_put`` in place). The C++ backend's kernel groups instead hold
+    the MoE's input gradients through the attention's backward (the ffn norm's backward sum
+    recomputed in the block's last kernel): no GPU schedule."""
+    moe, h = _moe(spec), spec.hidden_size
+    routed = dm.tokens * moe.top_k
+    ex = dm.experts()._replace(e=EXPERT_BYTES)
+    out = routed * h * EXPERT_BYTES
+    first = [BackwardMoment("moe_scores_grad", saved, 2 * routed * FP32_BYTES, ())]
+    shared_moments = [m._replace(own_bytes=m.own_bytes - out) for m in shared_moments]
+    experts = mlp.backward_moments(
+        spec, ex, saved=saved, freed=shared + out, run_tokens=routed,
+        ffn=moe.expert_ffn_hidden_size,
+        grad_inputs=2 * routed * h * ex.e + dm.rows * h * dm.e + waiting, fresh=0,
+        out_grad=routed * h * ex.e, in_saved=routed * h * ex.e)
+    experts = [m._replace(transient_bytes=m.transient_bytes + waiting)
+               if m.name in ("mlp", "mlp_act") else m for m in experts]
+    return first + shared_moments + experts

@@ -1245,20 +1245,24 @@ def test_compiled_titan_moe_block_saves_what_the_partitioner_saves(checkpoint: s
 
 
 def test_compiled_titan_moe_block_phase_peaks() -> None:
-    """The compiled block's forward peak, exact: its saved set, the output and, at the
-    combine, the weighted rows cast back (R h x 2 = 65,536) and the sorted scores (R x 4 =
-    1,024): 656,400 above the stream (``moe_titan.compiled_combine_bytes``). Its backward
-    from the combine (two R h bf16 gradients and the scores') with the eager experts' MLP
-    after it: traced 729,984 B, memplan 8,048 under (-1.10%; Inductor's recomputed router
-    tensors at that kernel not modelled)."""
+    """The compiled block's forward peak: its saved set, the output and, at the combine, the
+    weighted rows cast back (R h x 2 = 65,536) and the sorted scores (R x 4 = 1,024): memplan
+    656,400 above the stream (``moe_titan.compiled_combine_bytes``), traced 655,888 (torch
+    2.13: 512 B over, not located). Its backward, one kernel per scheduler node as a GPU
+    launches them (``moe_titan.compiled_backward``: the scores' gradient first, then the
+    experts' MLP): traced 713,744 B at the experts' input projections (located by replaying
+    Inductor's wrapper code), memplan 2,064 under (-0.29%). The C++ backend's kernel groups
+    (``kernel_per_node=False``) peak in the attention's backward instead (729,984 B), the
+    MoE's input gradients held there: no GPU schedule."""
     from memplan.profile.compiled_trace import compiled_layer_peaks
 
     kind, groups = _titan_moe_kind(Recompute.NONE)
     stream = BATCH * SEQ * 128 * 2
-    traced_forward, traced_backward = compiled_layer_peaks(TITAN_MOE, "bfloat16", BATCH, SEQ,
-                                                           gpu_realize=True)
-    assert kind.forward_peak_bytes - stream == traced_forward == 656_400
-    assert _model_backward(kind, groups, 2) - stream - traced_backward == -8_048
+    traced_forward, traced_backward = compiled_layer_peaks(
+        TITAN_MOE, "bfloat16", BATCH, SEQ, kernel_per_node=True, gpu_realize=True)
+    assert traced_forward == 655_888 and traced_backward == 713_744
+    assert kind.forward_peak_bytes - stream - traced_forward == 512
+    assert _model_backward(kind, groups, 2) - stream - traced_backward == -2_064
 
 
 @pytest.mark.parametrize("config,dtype,cache_dtype,cache_bytes", [
@@ -1298,27 +1302,23 @@ def test_titan_block_keeps_its_rope_cache(config: dict, dtype: str, cache_dtype:
 TITAN_MOE_SHARED = {"torchtitan_moe": TITAN_MOE["torchtitan_moe"] | {"shared_hidden_dim": 96}}
 
 
-@pytest.mark.parametrize("seq,saved,forward,backward", [
-    (64, 696_336, 729_104, 869_248), (256, 2_779_152, 2_910_224, 2_787_344)])
+@pytest.mark.parametrize("seq,saved,forward,backward,under", [
+    (64, 696_336, 729_104, 853_008, 2_064), (256, 2_779_152, 2_910_224, 2_787_344, 0)])
 def test_compiled_titan_moe_block_with_a_shared_expert(seq: int, saved: int, forward: int,
-                                                       backward: int) -> None:
-    """torchtitan's MoE block with a shared expert compiled whole (one compile per size, the
-    C++ backend's kernel groups, GPU realization as ``test_compiled_titan_moe_block_phase_
-    peaks``). Saved: the routed block's set and, of the shared expert, its input (the ffn
-    norm's output, T h x 2), w1's and w3's outputs and their product (3 x T f x 2; SiLU
-    recomputed): at T = 128 589,840 + 32,768 + 73,728 = 696,336, exact at both sizes
-    (``compiled.titan_moe_terms``). Forward: the shared w2's matmul, the whole saved set
-    beside the routed output and w2's own (T h x 2 each; ``moe_titan.compiled_forward``):
-    exact at both sizes. Backward (traced, pinned here): Inductor reorders the whole block's
-    backward (the scores' gradient first, fused with the gather of the output's gradient,
-    then the router's and the shared expert's, then the routed experts'), and recomputes the
-    ffn norm's backward sum in its last kernel, so the MoE's four input gradients (routed,
-    shared w1's and w3's, T h x 2 each; the router's fp32, T h x 4) are held through the
-    attention's backward: at 2 x 64 the peak is there (869,248 B), at 2 x 256 at the
-    backward's first kernel (the saved set and 2 R x 4 B: 2,787,344). memplan's eager-order
-    moments: 850,944 (-2.1%) and 3,000,336 (+7.6%); the compile stays refused
-    (``parallel._compile_titan_moe_refusal``) until that order is modelled."""
-    from memplan.errors import LayoutError
+                                                       backward: int, under: int) -> None:
+    """torchtitan's MoE block with a shared expert compiled whole (one compile per size, one
+    kernel per scheduler node as a GPU launches them, GPU realization). Saved: the routed
+    block's set and, of the shared expert, its input (the ffn norm's output, T h x 2), w1's
+    and w3's outputs and their product (3 x T f x 2; SiLU recomputed): at T = 128 589,840 +
+    32,768 + 73,728 = 696,336, exact at both sizes (``compiled.titan_moe_terms``). Forward:
+    the shared w2's matmul, the whole saved set beside the routed output and w2's own (T h x
+    2 each; ``moe_titan.compiled_forward``): exact at both sizes. Backward
+    (``moe_titan.compiled_backward``; the peaks located by replaying Inductor's wrapper
+    code): at 2 x 256 its first kernel, the scores' gradient (2 R x 4) beside the whole saved
+    set, exact; at 2 x 64 the routed experts' input projections (w1's input gradient beside
+    w3's, every expert and shared weight gradient made, the shared expert's and the router's
+    input gradients held), 2,064 B under (-0.24%)."""
+    from memplan.model.layer import grad_group_params
     from memplan.parallel import validate
     from memplan.profile.compiled_trace import compiled_layer_step
     from memplan.profile.frameworks import torchtitan_moe_config, torchtitan_moe_spec
@@ -1327,13 +1327,15 @@ def test_compiled_titan_moe_block_with_a_shared_expert(seq: int, saved: int, for
                                                      seq_len=seq), "qwen3-moe-shared")
     wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="bf16-pure", compile=True,
                   moe_impl="titan", framework="torchtitan", rope_cache="layer-cossin")
-    with pytest.raises(LayoutError, match="shared experts"):
-        validate(spec, ParallelConfig(), wl)
+    validate(spec, ParallelConfig(), wl)
     kind = layer_kind(spec, wl, Dims.of(spec, ParallelConfig(), wl), True, Recompute.NONE)
-    stream = (BATCH, seq, 128)
+    stream = BATCH * seq * 128 * 2
     traced, traced_forward, traced_backward = compiled_layer_step(
-        TITAN_MOE_SHARED, "bfloat16", BATCH, seq, kernel_per_node=False, gpu_realize=True)
-    activations = sum(t.size_bytes for t in traced if not t.graph_input or t.shape == stream)
+        TITAN_MOE_SHARED, "bfloat16", BATCH, seq, gpu_realize=True)
+    activations = sum(t.size_bytes for t in traced
+                      if not t.graph_input or t.shape == (BATCH, seq, 128))
     assert activations == kind.saved_bytes == saved
-    assert traced_forward == kind.forward_peak_bytes - BATCH * seq * 128 * 2 == forward
+    assert traced_forward == kind.forward_peak_bytes - stream == forward
+    groups = grad_group_params(spec, 1, 1, True)
     assert traced_backward == backward
+    assert _model_backward(kind, groups, 2) - stream - traced_backward == -under
