@@ -364,7 +364,8 @@ def compiled_backward(spec: ModelSpec, dm: Dims, saved: int,
     ex = dm.experts()._replace(e=EXPERT_BYTES)
     out = routed * h * EXPERT_BYTES
     first = [BackwardMoment("moe_scores_grad", saved, 2 * routed * FP32_BYTES, ())]
-    shared_moments = [m._replace(own_bytes=m.own_bytes - out) for m in shared_moments]
+    if shared:
+        shared_moments = _compiled_shared(spec, dm, saved - out)
     experts = mlp.backward_moments(
         spec, ex, saved=saved, freed=shared + out, run_tokens=routed,
         ffn=moe.expert_ffn_hidden_size,
@@ -373,3 +374,27 @@ def compiled_backward(spec: ModelSpec, dm: Dims, saved: int,
     experts = [m._replace(transient_bytes=m.transient_bytes + waiting)
                if m.name in ("mlp", "mlp_act") else m for m in experts]
     return first + shared_moments + experts
+
+
+def _compiled_shared(spec: ModelSpec, dm: Dims, alive: int) -> list[BackwardMoment]:
+    """A shared expert's backward in the compiled block's order (``compiled_backward``),
+    ``alive`` of the block's saved set left after the scores' gradient: its w2 weight
+    gradient first (the saved product freed after it), then the router's backward (its
+    gate's weight gradient reading the fp32 input copy, T h x 4, which is freed then, with
+    the logits and the expert ids), then the SiLU's backward kernel (the product's
+    gradient and one new T f gradient; the other written into w3's saved output: Inductor's
+    in-place reuse, ``compiled.swiglu_moments``), then w1's and w3's weight gradients (the
+    norm's output, their input, freed after them: ``shared_input_freed``; w1's output
+    freed) and their input gradients, T h x 2 each, not summed: the ffn norm's backward
+    kernel reads them. Traced: the wrapper code of torchtitan's Qwen3 MoE block, bf16."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    f = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size // dm.tp
+    inner, stream = dm.tokens * f * e, dm.rows * h * e
+    router = (dm.tokens * h * FP32_BYTES if e < FP32_BYTES else 0) + dm.tokens * (
+        moe.num_experts * FP32_BYTES + moe.top_k * INDEX_BYTES)
+    act = alive - inner - router  # the product and the router's tensors freed
+    rest = act - inner - shared_input_freed(spec, dm)  # w1's output and the input freed
+    return [BackwardMoment("moe_shared_act", act, 2 * inner, ("moe_shared_out",)),
+            BackwardMoment("moe_shared_in", rest, max(inner, stream) + stream,
+                           ("moe_shared",))]
+

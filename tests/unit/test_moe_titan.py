@@ -179,8 +179,12 @@ def test_compiled_shared_expert_saved_set_and_forward() -> None:
     weighted rows cast back (R h x 2 = 65,536) and the sorted scores (R x 4 = 2,048):
     100,352; at the shared w2's matmul the whole saved set beside the routed output and w2's
     (2 x 32,768 = 65,536). Backward (``moe_titan.compiled_backward``) first the scores'
-    gradient beside the whole saved set: two R x 4 = 4,096 B; the shared expert's moments
-    then without the experts' bf16 output (R h x 2 = 65,536)."""
+    gradient beside the whole saved set: two R x 4 = 4,096 B; then the shared expert's SiLU
+    backward (``moe_titan._compiled_shared``) without the experts' bf16 output (R h x 2 =
+    65,536), its product (T f x 2 = 49,152) and the router's tensors its backward freed
+    (the fp32 input copy T h x 4 = 65,536, the logits T E x 4 = 4,096, the expert ids T k x
+    8 = 4,096): 689,168 - 65,536 - 49,152 - 73,728 = 500,752, beside two T f x 2 gradients
+    (98,304)."""
     from memplan.model import moe_titan
     from memplan.parallel import validate
 
@@ -198,7 +202,7 @@ def test_compiled_shared_expert_saved_set_and_forward() -> None:
         ("moe_combine", 541_712, 100_352), ("moe_shared_out", 689_168, 65_536)]
     backward = MoE().backward_moments(spec, compiled, dm, compiled.recompute)
     assert backward[0][:3] == ("moe_scores_grad", 689_168, 4_096)
-    assert backward[1].name.startswith("moe_shared") and backward[1].own_bytes == 623_632
+    assert backward[1][:3] == ("moe_shared_act", 500_752, 98_304)
 
 
 def test_split_gate_up_holds_three_stacked_tensors() -> None:
