@@ -351,14 +351,16 @@ def compiled_backward(spec: ModelSpec, dm: Dims, saved: int,
     Traced (tests/traced/test_compile_trace.py, one kernel per scheduler node as a GPU
     launches them; the peaks located by replaying the wrapper's allocations and frees): with
     a shared expert, 2 x 256 tokens the first moment, exact; 2 x 64 the experts' input
-    projections (``mlp_in``), 2,064 B under (-0.24%); without, 2 x 64 the same moment,
-    2,064 B under. Not modelled: without a shared expert at 2 x 256 the experts' ``mlp``
-    moment is 188,416 B over the traced peak (the first moment, 2,361,360 B: +8.0%, the
-    eager order's moments +18.9%): Inductor frees the router's fp32 input copy (T h x 4)
-    early, at the gate's weight gradient, and writes the routed input gradient into the
-    saved zeros (its ``index_put`` in place). The C++ backend's kernel groups instead hold
-    the MoE's input gradients through the attention's backward (the ffn norm's backward sum
-    recomputed in the block's last kernel): no GPU schedule."""
+    projections (``mlp_in``), 2,064 B under (-0.24%); 2 x 128 +2.35%, with a 256-wide
+    shared expert -0.74%; without, 2 x 64 the same moment, 2,064 B under. The routed
+    experts' moments are the eager order's (``mlp.backward_moments``): in Inductor's the
+    router's fp32 input copy is freed before them, its input gradient made before them
+    with a shared expert and after them without, and the routed input gradient is written
+    into the saved zeros (``index_put`` in place): not modelled, so without a shared expert
+    at 2 x 256 the experts' ``mlp`` moment is 188,416 B over the traced peak (the first
+    moment, 2,361,360 B: +8.0%; the eager order's moments +18.9%). The C++ backend's
+    kernel groups instead hold the MoE's input gradients through the attention's backward
+    (the ffn norm's backward sum recomputed in the block's last kernel): no GPU schedule."""
     moe, h = _moe(spec), spec.hidden_size
     routed = dm.tokens * moe.top_k
     ex = dm.experts()._replace(e=EXPERT_BYTES)
