@@ -813,7 +813,8 @@ def _titan_moe_rule(spec: ModelSpec, wl: Workload) -> None:
 def _compile_titan_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why torchtitan's compiled MoE block (``moe_impl titan``: ``memplan.model.compiled.
     titan_moe_terms``) is not modelled, or None: traced in bf16 (FSDP2's bf16 parameters),
-    routed experts alone, without recompute or inside full AC."""
+    routed experts alone without recompute or inside full AC, with a shared expert without
+    recompute."""
     moe = spec.moe
     assert moe is not None
     if wl.compute_dtype.value != "bf16" or wl.precision.policy.autocast:
@@ -821,8 +822,11 @@ def _compile_titan_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
                 "bf16: the experts' bf16 casts of fp32 weights are not)")
     if wl.recompute is Recompute.SELECTIVE:
         return "MoE layers under moe_impl titan and recompute selective"
-    if moe.num_shared_experts:
-        return "MoE layers under moe_impl titan with shared experts (traced compiled without)"
+    if moe.num_shared_experts and wl.recompute is not Recompute.NONE:
+        # traced without recompute alone (tests/traced/test_compile_trace.py,
+        # moe_titan.compiled_backward)
+        return ("MoE layers under moe_impl titan with shared experts and recompute "
+                f"{wl.recompute.value} (traced compiled without recompute)")
     return None
 
 

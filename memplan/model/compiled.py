@@ -925,8 +925,9 @@ def moe_terms(terms: list[Term], moe: MoESpec, dm: Dims,
 
 
 # torchtitan's block's eager terms the compiled forward recomputes (``titan_moe_terms``)
+# (a shared expert's SiLU(w1 x) too, recomputed from its saved w1 output as a dense MLP's)
 _TITAN_RECOMPUTED = frozenset({"moe.router_probs", "moe.topk_weights", "moe.expert.act",
-                               "moe.routing_weights", "moe.expert_out"})
+                               "moe.routing_weights", "moe.expert_out", "moe.shared.act"})
 
 
 def titan_moe_terms(terms: list[Term], hidden: int, moe: MoESpec, dm: Dims) -> list[Term]:
@@ -942,10 +943,13 @@ def titan_moe_terms(terms: list[Term], hidden: int, moe: MoESpec, dm: Dims) -> l
       saved (SiLU(gate) recomputed, as in a dense MLP), with the offsets;
     - the experts' bf16 output (the w2 grouped matmul's, R h x 2 B) is saved where the eager
       block saves its fp32 copy (the cast recomputed), and the combine's ``zeros_like(x)``
-      (T h e: Inductor keeps the full() the scatter's backward reads as a saved constant).
+      (T h e: Inductor keeps the full() the scatter's backward reads as a saved constant);
+    - a shared expert (``FeedForward``, run after the combine: ``MoE.forward``) saves what a
+      compiled dense SwiGLU saves: its input (the ffn norm's output, counted by the norm),
+      w1's and w3's outputs and their product, SiLU(w1 x) recomputed.
 
     Traced: tests/traced/test_compile_trace.py (torch 2.13, torchtitan 0.3.0's Qwen3 MoE
-    block, bf16)."""
+    block, bf16, with and without a shared expert)."""
     routed = dm.tokens * moe.top_k
     kept = [t for t in terms if t.name not in _TITAN_RECOMPUTED]
     return [Term("moe.router_logits", dm.tokens * moe.num_experts * FP32_BYTES), *kept,

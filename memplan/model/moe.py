@@ -892,8 +892,8 @@ class MoE:
         saved = total(self.saved(spec, wl, dm, recompute))
         moments = [Moment("mlp", saved, stream)]
         if dm.compiled and wl.moe_impl is MoeImpl.TITAN:
-            return moments + [Moment("moe_combine", saved,
-                                     stream + moe_titan.compiled_combine_bytes(spec, dm))]
+            terms = self.saved(spec, wl, dm, recompute)
+            return moments + moe_titan.compiled_forward(spec, dm, terms, stream)
         if dm.compiled:
             # Inductor's kernels make the block's output beside what it saves, no eager
             # working set (traced: tests/traced/test_compile_trace.py, the layer's forward
@@ -1083,18 +1083,19 @@ def _titan_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMomen
     (``_shared_ran_first``), which waits from the combine's backward on, and below fp32 the
     shared experts' input freed with their terms (``moe_titan.shared_input_freed``).
     Traced: torchtitan's Qwen3 MoE toy with and without a shared expert, bf16 and fp32,
-    each backward peak exact (in fp32 the combine's the peak: the waiting T h x 4 B)."""
+    each backward peak exact (in fp32 the combine's the peak: the waiting T h x 4 B).
+    Compiled: Inductor's order (``moe_titan.compiled_backward``)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     spec = moe_titan.titan_spec(spec)
     routed = dm.tokens * moe.top_k
     ex = dm.experts()._replace(e=moe_titan.EXPERT_BYTES)
     shared, waiting = _shared_ran_first(spec, dm)
     shared += moe_titan.shared_input_freed(spec, dm)
-    combine = ([BackwardMoment("moe_unsort", saved - shared,
-                               moe_titan.compiled_combine_bytes(spec, dm, backward=True))]
-               if dm.compiled else
-               [BackwardMoment(name, saved - shared, size + waiting, rerun_freed=freed)
-                for name, size, freed in moe_titan.combine_backward(spec, dm)])
+    if dm.compiled:
+        return moe_titan.compiled_backward(spec, dm, saved, _shared_last_backward(
+            spec, dm, saved), shared, waiting)
+    combine = [BackwardMoment(name, saved - shared, size + waiting, rerun_freed=freed)
+               for name, size, freed in moe_titan.combine_backward(spec, dm)]
     if shared:
         combine = [m._replace(grads=("moe_shared",)) for m in combine]
     experts = mlp.backward_moments(

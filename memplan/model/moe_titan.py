@@ -42,6 +42,7 @@ from functools import lru_cache
 from memplan.errors import LayoutError
 from memplan.model import mlp, sac
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
+from memplan.model.block import BackwardMoment, Moment
 from memplan.presets import titan_moe_refusal
 from memplan.spec import ModelSpec, MoESpec
 from memplan.units import DType
@@ -297,14 +298,105 @@ def working_bytes(spec: ModelSpec, dm: Dims) -> int:
     return routing + rows + max(experts, rows + zeros + max(product, scatter) - offsets)
 
 
-def compiled_combine_bytes(spec: ModelSpec, dm: Dims, backward: bool = False) -> int:
-    """The compiled block's combine (``memplan.model.compiled.titan_moe_terms``), beside its
-    saved set: in forward, beside the scatter's output (stream-sized, the walk's), the
-    weighted rows cast back (Inductor fuses the fp32 product and the cast: R h e) and the
-    sorted scores it recomputed (R x 4); in backward, where it starts, the gathered gradient
-    of the weighted rows and the experts' output's (R h e each, the fp32 product's kernel
-    fused) and the scores' (R x 4). Traced: tests/traced/test_compile_trace.py, torchtitan's
-    Qwen3 MoE block in bf16 (the forward exact; the backward 8,048 B under: Inductor's
-    recomputed router tensors there, T x E and T x k in fp32, not modelled)."""
+def compiled_forward(spec: ModelSpec, dm: Dims, terms: list[Term],
+                     stream: int) -> list[Moment]:
+    """The compiled block's forward moments (``memplan.model.compiled.titan_moe_terms``'s
+    ``terms``; ``stream``: the combine's scatter output, T h e) beside its saved set:
+
+    - the combine (``compiled_combine_bytes``), before a shared expert has run: its saved
+      terms (w1's and w3's outputs and their product, ``moe.shared.*``) not yet made;
+    - with a shared expert (``FeedForward``, after the routed experts: ``MoE.forward``), its
+      w2 matmul (an extern mm, its own T h e output) beside the routed output and the whole
+      saved set; the add of the two outputs and the residual is a pointwise kernel that
+      reuses a freed input's buffer (torch/_inductor/scheduler.py ``Scheduler.
+      can_buffer_be_removed``/in-place reuse; torch 2.13), no third T h tensor.
+
+    Traced (tests/traced/test_compile_trace.py, torchtitan 0.3.0's Qwen3 MoE block with a
+    shared expert of width 96, bf16): 2 x 64 tokens 729,104 B above the input, 2 x 256
+    2,910,224 B, both the saved set and one T h x 2 B tensor, exact."""
+    saved = sum(t.size_bytes for t in terms)
+    shared = sum(t.size_bytes for t in terms if t.name.startswith("moe.shared."))
+    moments = [Moment("moe_combine", saved - shared, stream + compiled_combine_bytes(spec, dm))]
+    if shared:
+        moments.append(Moment("moe_shared_out", saved,
+                              stream + dm.rows * spec.hidden_size * dm.e))
+    return moments
+
+
+def compiled_combine_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """The compiled block's combine in forward (``memplan.model.compiled.titan_moe_terms``),
+    beside its saved set and the scatter's output (stream-sized, the walk's): the weighted
+    rows cast back (Inductor fuses the fp32 product and the cast: R h e) and the sorted
+    scores it recomputed (R x 4). Traced: tests/traced/test_compile_trace.py, torchtitan's
+    Qwen3 MoE block in bf16 (2 x 64 tokens: 512 B over, not located; with a shared expert
+    the shared w2's moment is the peak, ``compiled_forward``)."""
     routed, h = dm.tokens * _moe(spec).top_k, spec.hidden_size
-    return (2 if backward else 1) * routed * h * dm.e + routed * FP32_BYTES
+    return routed * h * dm.e + routed * FP32_BYTES
+
+
+def compiled_backward(spec: ModelSpec, dm: Dims, saved: int,
+                      shared_moments: list[BackwardMoment], shared: int,
+                      waiting: int) -> list[BackwardMoment]:
+    """The compiled block's backward (``memplan.model.compiled.titan_moe_terms``) as
+    Inductor orders it (torch/_inductor/memory.py ``reorder_for_peak_memory``, torch 2.13;
+    replayed from its wrapper code, torchtitan 0.3.0's Qwen3 MoE block, bf16):
+
+    - first the routing scores' gradient: the gather of the output's gradient fused into its
+      reduction over h with the experts' saved output (two R x 4 B outputs), the whole
+      saved set alive; the experts' output (R h x 2) freed after it;
+    - then a shared expert's MLP backward (``shared_moments``, eager order) without it;
+    - then the routed experts' MLP backward from their gathered, weighted output gradient
+      (R h x 2), the shared terms freed, their input's gradient ``waiting``.
+
+    Traced (tests/traced/test_compile_trace.py, one kernel per scheduler node as a GPU
+    launches them; the peaks located by replaying the wrapper's allocations and frees): with
+    a shared expert, 2 x 256 tokens the first moment, exact; 2 x 64 the experts' input
+    projections (``mlp_in``), 2,064 B under (-0.24%); 2 x 128 +2.35%, with a 256-wide
+    shared expert -0.74%; without, 2 x 64 the same moment, 2,064 B under. The routed
+    experts' moments are the eager order's (``mlp.backward_moments``): in Inductor's the
+    router's fp32 input copy is freed before them, its input gradient made before them
+    with a shared expert and after them without, and the routed input gradient is written
+    into the saved zeros (``index_put`` in place): not modelled, so without a shared expert
+    at 2 x 256 the experts' ``mlp`` moment is 188,416 B over the traced peak (the first
+    moment, 2,361,360 B: +8.0%; the eager order's moments +18.9%). The C++ backend's
+    kernel groups instead hold the MoE's input gradients through the attention's backward
+    (the ffn norm's backward sum recomputed in the block's last kernel): no GPU schedule."""
+    moe, h = _moe(spec), spec.hidden_size
+    routed = dm.tokens * moe.top_k
+    ex = dm.experts()._replace(e=EXPERT_BYTES)
+    out = routed * h * EXPERT_BYTES
+    first = [BackwardMoment("moe_scores_grad", saved, 2 * routed * FP32_BYTES, ())]
+    if shared:
+        shared_moments = _compiled_shared(spec, dm, saved - out)
+    experts = mlp.backward_moments(
+        spec, ex, saved=saved, freed=shared + out, run_tokens=routed,
+        ffn=moe.expert_ffn_hidden_size,
+        grad_inputs=2 * routed * h * ex.e + dm.rows * h * dm.e + waiting, fresh=0,
+        out_grad=routed * h * ex.e, in_saved=routed * h * ex.e)
+    experts = [m._replace(transient_bytes=m.transient_bytes + waiting)
+               if m.name in ("mlp", "mlp_act") else m for m in experts]
+    return first + shared_moments + experts
+
+
+def _compiled_shared(spec: ModelSpec, dm: Dims, alive: int) -> list[BackwardMoment]:
+    """A shared expert's backward in the compiled block's order (``compiled_backward``),
+    ``alive`` of the block's saved set left after the scores' gradient: its w2 weight
+    gradient first (the saved product freed after it), then the router's backward (its
+    gate's weight gradient reading the fp32 input copy, T h x 4, which is freed then, with
+    the logits and the expert ids), then the SiLU's backward kernel (the product's
+    gradient and one new T f gradient; the other written into w3's saved output: Inductor's
+    in-place reuse, ``compiled.swiglu_moments``), then w1's and w3's weight gradients (the
+    norm's output, their input, freed after them: ``shared_input_freed``; w1's output
+    freed) and their input gradients, T h x 2 each, not summed: the ffn norm's backward
+    kernel reads them. Traced: the wrapper code of torchtitan's Qwen3 MoE block, bf16."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    f = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size // dm.tp
+    inner, stream = dm.tokens * f * e, dm.rows * h * e
+    router = (dm.tokens * h * FP32_BYTES if e < FP32_BYTES else 0) + dm.tokens * (
+        moe.num_experts * FP32_BYTES + moe.top_k * INDEX_BYTES)
+    act = alive - inner - router  # the product and the router's tensors freed
+    rest = act - inner - shared_input_freed(spec, dm)  # w1's output and the input freed
+    return [BackwardMoment("moe_shared_act", act, 2 * inner, ("moe_shared_out",)),
+            BackwardMoment("moe_shared_in", rest, max(inner, stream) + stream,
+                           ("moe_shared",))]
+

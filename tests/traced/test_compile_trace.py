@@ -1245,20 +1245,24 @@ def test_compiled_titan_moe_block_saves_what_the_partitioner_saves(checkpoint: s
 
 
 def test_compiled_titan_moe_block_phase_peaks() -> None:
-    """The compiled block's forward peak, exact: its saved set, the output and, at the
-    combine, the weighted rows cast back (R h x 2 = 65,536) and the sorted scores (R x 4 =
-    1,024): 656,400 above the stream (``moe_titan.compiled_combine_bytes``). Its backward
-    from the combine (two R h bf16 gradients and the scores') with the eager experts' MLP
-    after it: traced 729,984 B, memplan 8,048 under (-1.10%; Inductor's recomputed router
-    tensors at that kernel not modelled)."""
+    """The compiled block's forward peak: its saved set, the output and, at the combine, the
+    weighted rows cast back (R h x 2 = 65,536) and the sorted scores (R x 4 = 1,024): memplan
+    656,400 above the stream (``moe_titan.compiled_combine_bytes``), traced 655,888 (torch
+    2.13: 512 B over, not located). Its backward, one kernel per scheduler node as a GPU
+    launches them (``moe_titan.compiled_backward``: the scores' gradient first, then the
+    experts' MLP): traced 713,744 B at the experts' input projections (located by replaying
+    Inductor's wrapper code), memplan 2,064 under (-0.29%). The C++ backend's kernel groups
+    (``kernel_per_node=False``) peak in the attention's backward instead (729,984 B), the
+    MoE's input gradients held there: no GPU schedule."""
     from memplan.profile.compiled_trace import compiled_layer_peaks
 
     kind, groups = _titan_moe_kind(Recompute.NONE)
     stream = BATCH * SEQ * 128 * 2
-    traced_forward, traced_backward = compiled_layer_peaks(TITAN_MOE, "bfloat16", BATCH, SEQ,
-                                                           gpu_realize=True)
-    assert kind.forward_peak_bytes - stream == traced_forward == 656_400
-    assert _model_backward(kind, groups, 2) - stream - traced_backward == -8_048
+    traced_forward, traced_backward = compiled_layer_peaks(
+        TITAN_MOE, "bfloat16", BATCH, SEQ, kernel_per_node=True, gpu_realize=True)
+    assert traced_forward == 655_888 and traced_backward == 713_744
+    assert kind.forward_peak_bytes - stream - traced_forward == 512
+    assert _model_backward(kind, groups, 2) - stream - traced_backward == -2_064
 
 
 @pytest.mark.parametrize("config,dtype,cache_dtype,cache_bytes", [
@@ -1291,3 +1295,50 @@ def test_titan_block_keeps_its_rope_cache(config: dict, dtype: str, cache_dtype:
         spec, rope = _spec("torchtitan", True), "layer"
     wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, compile=True, rope_cache=rope)
     assert rope_buffer_bytes(spec, wl, 1) == cache_bytes
+
+
+@pytest.mark.parametrize("seq,width,saved,forward,backward,diff", [
+    (64, 96, 696_336, 729_104, 853_008, -2_064),
+    (256, 96, 2_779_152, 2_910_224, 2_787_344, 0),
+    (128, 96, 1_390_608, 1_456_144, 1_397_760, 32_768),
+    (128, 256, 1_636_368, 1_701_904, 1_652_736, -12_272)])
+def test_compiled_titan_moe_block_with_a_shared_expert(seq: int, width: int, saved: int,
+                                                       forward: int, backward: int,
+                                                       diff: int) -> None:
+    """torchtitan's MoE block with a shared expert compiled whole (one compile per size, one
+    kernel per scheduler node as a GPU launches them, GPU realization). Saved: the routed
+    block's set and, of the shared expert, its input (the ffn norm's output, T h x 2), w1's
+    and w3's outputs and their product (3 x T f x 2; SiLU recomputed): at T = 128 589,840 +
+    32,768 + 73,728 = 696,336, exact at both sizes (``compiled.titan_moe_terms``). Forward:
+    the shared w2's matmul, the whole saved set beside the routed output and w2's own (T h x
+    2 each; ``moe_titan.compiled_forward``): exact at both sizes. Backward
+    (``moe_titan.compiled_backward``; the peaks located by replaying Inductor's wrapper
+    code): at 2 x 256 its first kernel, the scores' gradient (2 R x 4) beside the whole saved
+    set, exact; at 2 x 64 the routed experts' input projections (w1's input gradient beside
+    w3's, every expert and shared weight gradient made, the shared expert's and the router's
+    input gradients held), 2,064 B under (-0.24%). Also at 2 x 128: +2.35% (the routed
+    experts' moments, in the eager order's, over), and with a 256-wide shared expert -0.74%
+    (the eager order's shared moments were +10.9%: ``moe_titan._compiled_shared``)."""
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from memplan.profile.compiled_trace import compiled_layer_step
+    from memplan.profile.frameworks import torchtitan_moe_config, torchtitan_moe_spec
+
+    # a shared expert of that width (FeedForward, make_ffn_config), run after the routed ones
+    config = {"torchtitan_moe": TITAN_MOE["torchtitan_moe"] | {"shared_hidden_dim": width}}
+    spec = torchtitan_moe_spec(torchtitan_moe_config(**config["torchtitan_moe"],
+                                                     seq_len=seq), "qwen3-moe-shared")
+    wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="bf16-pure", compile=True,
+                  moe_impl="titan", framework="torchtitan", rope_cache="layer-cossin")
+    validate(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, Dims.of(spec, ParallelConfig(), wl), True, Recompute.NONE)
+    stream = BATCH * seq * 128 * 2
+    traced, traced_forward, traced_backward = compiled_layer_step(
+        config, "bfloat16", BATCH, seq, gpu_realize=True)
+    activations = sum(t.size_bytes for t in traced
+                      if not t.graph_input or t.shape == (BATCH, seq, 128))
+    assert activations == kind.saved_bytes == saved
+    assert traced_forward == kind.forward_peak_bytes - stream == forward
+    groups = grad_group_params(spec, 1, 1, True)
+    assert traced_backward == backward
+    assert _model_backward(kind, groups, 2) - stream - traced_backward == diff

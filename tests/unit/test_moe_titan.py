@@ -152,7 +152,7 @@ def test_compiled_in_bf16_without_shared_experts_only() -> None:
     recomputed: ``moe.router_probs`` stands as the fp32 logits, the same T E x 4), the
     experts' output bf16 (R h x 2 = 65,536, not its fp32 copy) and the combine's zeros (T h
     x 2 = 32,768) kept: 677,904 - 2,048 - 3,072 - 98,304 - 2,048 - 131,072 + 2,048 + 65,536
-    + 32,768 = 541,712. fp32 and shared experts are refused."""
+    + 32,768 = 541,712. fp32 is refused, and shared experts under full AC."""
     from memplan.parallel import validate
 
     spec, wl, _ = _setup()
@@ -163,10 +163,46 @@ def test_compiled_in_bf16_without_shared_experts_only() -> None:
     assert saved["moe.expert_out"] == 65_536 and "moe.expert.act" not in saved
     assert sum(saved.values()) == 541_712
     for other, why in (((_setup("fp32")[0], _setup("fp32")[1]), "in fp32"),
-                       (_setup(num_shared_experts=1, shared_expert_ffn_hidden_size=96)[:2],
-                        "shared experts")):
+                       (_setup(num_shared_experts=1, shared_expert_ffn_hidden_size=96,
+                               recompute="full")[:2], "shared experts and recompute full")):
         with pytest.raises(LayoutError, match=why):
             validate(other[0], make_layout(1), other[1].model_copy(update={"compile": True}))
+
+
+def test_compiled_shared_expert_saved_set_and_forward() -> None:
+    """torchtitan's compiled block with a shared expert of f = 96, T = 256, h = 64, bf16,
+    without recompute (validated): the shared expert saves what a compiled
+    SwiGLU saves, w1's and w3's outputs and their product (3 x T f x 2 = 147,456; SiLU(w1 x)
+    recomputed), beside the routed block's 541,712: 689,168. Forward
+    (``moe_titan.compiled_forward``): at the combine the shared terms are not made yet
+    (689,168 - 147,456 = 541,712 alive) beside the scatter output (T h x 2 = 32,768), the
+    weighted rows cast back (R h x 2 = 65,536) and the sorted scores (R x 4 = 2,048):
+    100,352; at the shared w2's matmul the whole saved set beside the routed output and w2's
+    (2 x 32,768 = 65,536). Backward (``moe_titan.compiled_backward``) first the scores'
+    gradient beside the whole saved set: two R x 4 = 4,096 B; then the shared expert's SiLU
+    backward (``moe_titan._compiled_shared``) without the experts' bf16 output (R h x 2 =
+    65,536), its product (T f x 2 = 49,152) and the router's tensors its backward freed
+    (the fp32 input copy T h x 4 = 65,536, the logits T E x 4 = 4,096, the expert ids T k x
+    8 = 4,096): 689,168 - 65,536 - 49,152 - 73,728 = 500,752, beside two T f x 2 gradients
+    (98,304)."""
+    from memplan.model import moe_titan
+    from memplan.parallel import validate
+
+    spec, wl, _ = _setup(num_shared_experts=1, shared_expert_ffn_hidden_size=96)
+    compiled = wl.model_copy(update={"compile": True})
+    validate(spec, make_layout(1), compiled)
+    dm = Dims.of(spec, make_layout(1), compiled)
+    terms = MoE().saved(spec, compiled, dm, compiled.recompute)
+    saved = {t.name: t.size_bytes for t in terms}
+    assert "moe.shared.act" not in saved
+    assert sum(v for k, v in saved.items() if k.startswith("moe.shared.")) == 147_456
+    assert sum(saved.values()) == 689_168
+    moments = moe_titan.compiled_forward(spec, dm, terms, 32_768)
+    assert [(m.name, m.own_bytes, m.transient_bytes) for m in moments] == [
+        ("moe_combine", 541_712, 100_352), ("moe_shared_out", 689_168, 65_536)]
+    backward = MoE().backward_moments(spec, compiled, dm, compiled.recompute)
+    assert backward[0][:3] == ("moe_scores_grad", 689_168, 4_096)
+    assert backward[1][:3] == ("moe_shared_act", 500_752, 98_304)
 
 
 def test_split_gate_up_holds_three_stacked_tensors() -> None:
