@@ -1247,21 +1247,30 @@ def test_compiled_titan_moe_block_saves_what_the_partitioner_saves(checkpoint: s
 def test_compiled_titan_moe_block_phase_peaks() -> None:
     """The compiled block's forward peak: its saved set, the output and, at the combine, the
     weighted rows cast back (R h x 2 = 65,536) and the sorted scores (R x 4 = 1,024): memplan
-    656,400 above the stream (``moe_titan.compiled_combine_bytes``), traced 655,888 (torch
-    2.13: 512 B over, not located). Its backward, one kernel per scheduler node as a GPU
-    launches them (``moe_titan.compiled_backward``: the scores' gradient first, then the
-    experts' MLP): traced 713,744 B at the experts' input projections (located by replaying
-    Inductor's wrapper code), memplan 2,064 under (-0.29%). The C++ backend's kernel groups
-    (``kernel_per_node=False``) peak in the attention's backward instead (729,984 B), the
-    MoE's input gradients held there: no GPU schedule."""
+    656,400 above the stream (``moe_titan.compiled_combine_bytes``), traced with two intra-op
+    threads 656,400, exact (pinned: with one, the C++ kernels' forward is 512 B lower,
+    655,888; torch 2.13). Its backward (the same with one and two threads), one kernel per
+    scheduler node as a GPU launches them (``moe_titan.compiled_backward``: the scores'
+    gradient first, then the experts' MLP): traced 713,744 B at the experts' input
+    projections (located by replaying Inductor's wrapper code), memplan 2,064 under
+    (-0.29%). The C++ backend's kernel groups (``kernel_per_node=False``) peak in the
+    attention's backward instead (729,984 B), the MoE's input gradients held there: no GPU
+    schedule."""
+    import torch
+
     from memplan.profile.compiled_trace import compiled_layer_peaks
 
     kind, groups = _titan_moe_kind(Recompute.NONE)
     stream = BATCH * SEQ * 128 * 2
-    traced_forward, traced_backward = compiled_layer_peaks(
-        TITAN_MOE, "bfloat16", BATCH, SEQ, kernel_per_node=True, gpu_realize=True)
-    assert traced_forward == 655_888 and traced_backward == 713_744
-    assert kind.forward_peak_bytes - stream - traced_forward == 512
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the traced forward follows the thread count (docstring)
+    try:
+        traced_forward, traced_backward = compiled_layer_peaks(
+            TITAN_MOE, "bfloat16", BATCH, SEQ, kernel_per_node=True, gpu_realize=True)
+    finally:
+        torch.set_num_threads(before)
+    assert traced_forward == 656_400 and traced_backward == 713_744
+    assert kind.forward_peak_bytes - stream == traced_forward
     assert _model_backward(kind, groups, 2) - stream - traced_backward == -2_064
 
 
