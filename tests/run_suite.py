@@ -1,10 +1,11 @@
-"""Run the whole test suite as two pytest processes side by side, then print each one's report.
+"""Run the test suite as two pytest processes side by side, then print each one's report.
 
     .venv/bin/python tests/run_suite.py [PYTEST ARGS ...]   # e.g. -x, tests/unit, -k compiled
     .venv/bin/python tests/run_suite.py --record            # and re-record the file durations
 
 The suite is mostly single-threaded Python (torch's dispatcher under fake tensors, Inductor's
-compiles), so on CI's two cores two processes take about half the time of one. Each process runs
+compiles), so on two cores two processes can take about half the time of one, as far as the
+recorded durations balance them (docs/contributing.md says how far they do). Each process runs
 the whole test files ``tests/suite_split.py`` places in it (the same files, in the same order, on
 every run of a commit) with its own Inductor cache folder, so neither sees the other's compiled
 artefacts. ``pytest -q`` alone still runs everything in one process.

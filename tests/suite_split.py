@@ -31,8 +31,9 @@ def load_durations(path: Path = DURATIONS) -> dict[str, dict[str, float]]:
 
 def file_weights(counts: Mapping[str, int],
                  recorded: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-    """Seconds each collected file is expected to take: its recorded time, scaled by how many
-    of its recorded tests are selected now; else its test count times the median recorded
+    """Seconds each collected file is expected to take: its recorded time per recorded test
+    times its tests collected now (a record of part of a file, or a file grown since, scaled
+    up); else its test count times the median recorded
     seconds per test of the files in its folder (a traced test costs what traced tests do,
     not what unit tests do), of all files where its folder has none, one second where
     nothing is recorded."""
@@ -45,7 +46,7 @@ def file_weights(counts: Mapping[str, int],
     for name, n in counts.items():
         r = recorded.get(name)
         if r and r.get("tests"):
-            out[name] = r["seconds"] * min(1.0, n / r["tests"])
+            out[name] = r["seconds"] * n / r["tests"]
             continue
         near = per_test(f for f in recorded if _folder(f) == _folder(name)) or overall
         out[name] = n * (statistics.median(near) if near else 1.0)

@@ -27,11 +27,12 @@ def test_ties_go_by_name_then_to_the_lower_index() -> None:
 
 
 def test_weights_from_the_record_and_the_median_per_test() -> None:
-    """a: 40 s over 4 tests, 2 selected now -> 20 s; b: 3 s over 1 test; per-test times 10
-    and 3, median 6.5 s: an unrecorded file of 2 tests weighs 13 s."""
+    """a: 40 s over 4 tests, 2 collected now -> 20 s; b: 3 s over the 1 test recorded, 5
+    collected now -> 15 s; per-test times 10 and 3, median 6.5 s: an unrecorded file of 2
+    tests weighs 13 s."""
     recorded = {"a": {"seconds": 40.0, "tests": 4}, "b": {"seconds": 3.0, "tests": 1}}
     assert suite_split.file_weights({"a": 2, "b": 5, "new": 2}, recorded) == {
-        "a": 20.0, "b": 3.0, "new": 13.0}
+        "a": 20.0, "b": 15.0, "new": 13.0}
     assert suite_split.file_weights({"new": 3}, {}) == {"new": 3.0}
 
 
