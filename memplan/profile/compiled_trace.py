@@ -25,7 +25,7 @@ class SavedTensor(NamedTuple):
 
     name: str
     op: str
-    shape: tuple[int, ...]
+    shape: tuple[int | str, ...]  # a symbolic size by its name
     dtype: str
     size_bytes: int
     graph_input: bool
@@ -78,7 +78,9 @@ def _record(rows: list[list[SavedTensor]]):
             if not isinstance(value, torch.Tensor):
                 continue  # symbolic sizes, RNG seeds
             numel = int(value.numel()) if all(isinstance(d, int) for d in value.shape) else 0
-            saved.append(SavedTensor(node.name, str(node.target), tuple(value.shape),
+            # a symbolic size as its text ("u0"): the record holds no live shape environment
+            shape = tuple(d if isinstance(d, int) else str(d) for d in value.shape)
+            saved.append(SavedTensor(node.name, str(node.target), shape,
                                      str(value.dtype).removeprefix("torch."),
                                      numel * value.element_size(), node.op == "placeholder",
                                      node.op != "placeholder" and _views_input(node)))

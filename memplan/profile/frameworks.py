@@ -294,24 +294,31 @@ def trace_case(case: FrameworkCase, *, fake: bool | None = None,
         return built, run_library_steps(built, tracker, steps=steps)
 
 
+TraceFn = Callable[..., tuple[Any, TraceResult]]
+
+
 def compare_framework(case: FrameworkCase, *, fake: bool | None = None,
-                      steps: int = 2) -> Comparison:
+                      steps: int = 2, trace: TraceFn | None = None) -> Comparison:
     """Trace ``case`` and compare it with memplan's estimate. Raises ``MemplanError`` when the
-    recipe is not a memplan precision."""
+    recipe is not a memplan precision. ``trace`` stands in for ``trace_case`` (the same
+    arguments; its first value needs only the ``Built`` fields ``compare_built`` reads: a
+    kept trace, tests/traced/recorded.py)."""
     if steps < 2:
         raise ValueError(f"steps must be at least 2 (first step and steady state), got {steps}")
     rec = recipe(case.recipe)
     if not rec.available:
         raise MemplanError(f"precision {rec.name!r} is not in memplan's workload yet")
-    built, result = trace_case(case, fake=fake, steps=steps)
+    built, result = (trace or trace_case)(case, fake=fake, steps=steps)
     return compare_built(built, result)
 
 
-def fake_real_check(case: FrameworkCase, steps: int = 2) -> list[Row]:
+def fake_real_check(case: FrameworkCase, steps: int = 2,
+                    trace: TraceFn | None = None) -> list[Row]:
     """The same case on fake and on real tensors: one row per traced quantity (measured: real,
-    estimated: fake). Every diff zero means fake tensors trace this library faithfully."""
-    _, real = trace_case(case, fake=False, steps=steps)
-    _, fake = trace_case(case, fake=True, steps=steps)
+    estimated: fake). Every diff zero means fake tensors trace this library faithfully.
+    ``trace``: as ``compare_framework``'s."""
+    _, real = (trace or trace_case)(case, fake=False, steps=steps)
+    _, fake = (trace or trace_case)(case, fake=True, steps=steps)
     out = [Row("params_bytes", real.params_bytes, fake.params_bytes)]
     for label, r, f in (("first_step", real.first, fake.first),
                         ("steady", real.steady, fake.steady)):

@@ -132,7 +132,8 @@ def test_peft_compiled_matches_estimate(recipe: str, options: dict) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
     from memplan.profile import finetune  # noqa: F401 (registers the "peft" builder)
-    from memplan.profile.frameworks import FrameworkCase, compare_framework
+    from memplan.profile.frameworks import FrameworkCase
+    from recorded import compare_framework  # tests/traced/recorded.py
 
     case = FrameworkCase("peft", "llama3-toy", LLAMA, recipe, 2, 128,
                          options=dict(options, compile=True))

@@ -31,9 +31,9 @@ from hf_configs import GEMMA2_TOY, LLAMA3_TOY, OLMO2_TOY, hf  # tests/traced/hf_
 from memplan.model.dims import Dims
 from memplan.model.layer import layer_kind
 from memplan.parallel import ParallelConfig
-from memplan.profile.compiled_trace import compiled_layer_saved
 from memplan.spec import spec_from_hf_dict
 from memplan.workload import Recompute, Workload
+from recorded import compiled_layer_saved  # tests/traced/recorded.py
 
 TOY = hf("Meta-Llama-3-8B", **LLAMA3_TOY)
 # torchtitan's Llama3 block at the same width (ffn 768 by its compute_ffn_hidden_dim)
@@ -110,7 +110,7 @@ def test_compiled_layer_saves_what_the_partitioner_saves(library: str, fuse_qkv:
     if checkpoint != "full":
         assert kind.saved_bytes == _traced_activations(config, dtype, checkpoint)
         return
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     saved, forward, _ = compiled_layer_step(config, dtype, BATCH, SEQ, checkpoint="full")
     assert kind.saved_bytes == _activations(saved)
@@ -137,7 +137,7 @@ def test_compiled_layer_phase_peaks(dtype: str, precision: str, grad_bytes: int,
     the eager model's, not Inductor's schedule of them. Traced with Inductor's GPU
     realization rules (``gpu_realize``): the same bytes as with the CPU's."""
     from memplan.model.layer import grad_group_params
-    from memplan.profile.compiled_trace import compiled_layer_peaks
+    from recorded import compiled_layer_peaks  # tests/traced/recorded.py
 
     spec = spec_from_hf_dict(TOY, "llama3-toy", "llama3-toy")
     wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision=precision, compile=True)
@@ -200,7 +200,7 @@ def test_compiled_autocast_layer_matches_trace(autocast: str, precision: str,
     there Inductor schedules each MLP weight gradient's fp32 cast right after its matmul
     (``cpp_fused__to_copy_1``) and SDPA's backward later, another order of the backward
     at 2 x 64, not modelled (with the CPU's rules 4,130,816 B, exact)."""
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     saved, forward, backward = compiled_layer_step(TOY, "float32", BATCH, SEQ,
                                                    autocast=autocast, checkpoint=checkpoint,
@@ -240,7 +240,7 @@ def test_compiled_autocast_swiglu_backward(seq: int, saved: int, backward: int) 
     524,288: 7,819,264. Both exact; the forward peak as ``test_compiled_autocast_layer_
     matches_trace`` models it."""
     from memplan.model.layer import grad_group_params
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     traced, forward, peak = compiled_layer_step(TOY, "float32", BATCH, seq, autocast="bfloat16")
     spec = spec_from_hf_dict(TOY, "llama3-toy", "llama3-toy")
@@ -294,7 +294,7 @@ def test_compiled_autocast_titan_block_matches_trace(fuse_qkv: bool, checkpoint:
     ``test_compiled_autocast_titan_block_under_per_op_sac``."""
     from memplan.model.layer import grad_group_params
     from memplan.parallel import validate
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
     from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
 
     fields = dict(TITAN["torchtitan"], fuse_qkv=fuse_qkv)
@@ -344,7 +344,7 @@ def test_compiled_autocast_titan_block_under_per_op_sac(fuse_qkv: bool, seq: int
     7,262,464)."""
     from memplan.model.layer import grad_group_params
     from memplan.parallel import validate
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
     from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
 
     fields = dict(TITAN["torchtitan"], fuse_qkv=fuse_qkv)
@@ -448,7 +448,7 @@ def test_compiled_float8_layer_phase_peaks() -> None:
     RoPE table (``compiled_trace._titan_params_to``; with the table cast to a real bf16 one
     the trace read 6,321,156 B), not identified: 6,321,668 B (-0.11%). torchao 0.18.0."""
     pytest.importorskip("torchao.float8")
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     config = {"torchtitan": dict(TITAN["torchtitan"], float8="rowwise")}
     _, forward, backward = compiled_layer_step(config, "bfloat16", BATCH, 256,
@@ -471,7 +471,7 @@ def test_compiled_float8_rebuilt_layer_backward_peak() -> None:
     6,906,880 B (memplan 591,872 under before, -8.6%). The trace holds 3,076 B more, not
     identified (the layer not recomputed: 6,148 B of hoisted amaxes). torchao 0.18.0."""
     pytest.importorskip("torchao.float8")
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     config = {"torchtitan": dict(TITAN["torchtitan"], float8="rowwise")}
     _, _, backward = compiled_layer_step(config, "bfloat16", BATCH, 256, checkpoint="full",
@@ -507,7 +507,7 @@ def test_compiled_float8_per_op_sac_backward_peak(recipe: str, modelled: int,
     (``test_compiled_float8_per_op_sac_baseline_order``). Both within 0.05% of the trace.
     torchao 0.18.0."""
     pytest.importorskip("torchao.float8")
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     config = {"torchtitan": dict(TITAN["torchtitan"], float8=recipe)}
     _, _, backward = compiled_layer_step(config, "bfloat16", BATCH, 256, checkpoint="op",
@@ -534,7 +534,7 @@ def test_compiled_float8_per_op_sac_baseline_order() -> None:
     before ``compiled_trace._titan_params_to``, Inductor estimated lpmf at 18,980,912 B and
     kept lpmf's order, the trace's peak at 20,029,488 B.)"""
     pytest.importorskip("torchao.float8")
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     config = {"torchtitan": dict(TITAN["torchtitan"], float8="tensorwise")}
     _, _, backward = compiled_layer_step(config, "bfloat16", BATCH, 1024, checkpoint="op",
@@ -566,7 +566,7 @@ def test_compiled_float8_separate_qkv_lpmf_order() -> None:
     20,922,396 B: benchmarks/data/compiled_backward.json). torchao 0.18.0."""
     pytest.importorskip("torchao.float8")
     from memplan.model.layer import grad_group_params
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
     from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
 
     config = {"torchtitan": dict(TITAN["torchtitan"], fuse_qkv=False, float8="tensorwise")}
@@ -643,7 +643,7 @@ def test_compiled_float8_checkpointed_forward(recipe: str, checkpoint: str, over
     196,608 over before): the input 65,536, qkv T x 384 x 2 = 98,304, SDPA's output 65,536
     and logsumexp 4,096 (430,080 less the input and the gate), 859,648 B exact."""
     pytest.importorskip("torchao.float8")
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     config = {"torchtitan": dict(TITAN["torchtitan"], float8=recipe)}
     _, forward, _ = compiled_layer_step(config, "bfloat16", BATCH, SEQ, checkpoint=checkpoint,
@@ -827,7 +827,8 @@ def test_compiled_moe_model_step_matches_trace(name: str, model: str) -> None:
     ``is_grouped_mm_available`` logger, as a real run does), two training steps traced on
     real tensors: states and saved activations exact, every phase within 1% (Qwen3-MoE
     within 0.04%)."""
-    from memplan.profile.frameworks import FrameworkCase, compare_framework
+    from memplan.profile.frameworks import FrameworkCase
+    from recorded import compare_framework  # tests/traced/recorded.py
 
     widths = {"Qwen3-30B-A3B": {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
                                 "moe_intermediate_size": 64},
@@ -873,7 +874,7 @@ def test_compiled_moe_layer_phase_peaks(config: dict, name: str) -> None:
     (-2.79%); Mixtral 1,279,504 B at the gate/up weight gradient, memplan 1,413,120,
     133,616 over (+10.44%). Not modelled: Inductor's backward buffers."""
     from memplan.model.layer import grad_group_params
-    from memplan.profile.compiled_trace import compiled_layer_peaks
+    from recorded import compiled_layer_peaks  # tests/traced/recorded.py
 
     spec = _moe_spec(config)
     impl = _moe_impl()
@@ -935,7 +936,7 @@ def test_compiled_recompute_backward_at_the_mlp_kernel(checkpoint: str,
     set holds the gate's output the policy keeps: 2,768,896 B traced, memplan exact (before,
     the gate counted twice: +28.4%). Traced with Inductor's GPU realization rules
     (``gpu_realize``), the same bytes as with the CPU's."""
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     batch, seq = 2, 256
     spec, wl, dm, kind, backward, stream = _titan_rebuilt(checkpoint, batch, seq)
@@ -979,7 +980,7 @@ def test_compiled_attention_backward_below_hidden(checkpoint: str, seq: int,
     Traced with Inductor's GPU realization rules (``gpu_realize``): per-op SAC at 2 x 64
     1,901,568 B, memplan 204,288 B over (+10.7%): Inductor orders the backward otherwise
     there (the kernels not yet examined), not modelled."""
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     batch = 2
     _, _, _, _, backward, stream = _titan_rebuilt(checkpoint, batch, seq)
@@ -1006,7 +1007,7 @@ def test_compiled_full_ac_transformers_output_copy() -> None:
     less one stream 7,491,584 B traced (Inductor's GPU realization rules, ``gpu_realize``; the
     CPU's the same), memplan exact (before, without the copy: -3.5%)."""
     from memplan.model.layer import grad_group_params
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     batch, seq = 2, 256
     s, f, k = batch * seq * 256 * 2, batch * seq * 896 * 2, batch * seq * 64 * 2
@@ -1063,7 +1064,7 @@ def test_compiled_post_norm_layer_matches_trace(checkpoint: str, saved: int, for
       At 2 x 64 tokens Inductor orders the weight gradients otherwise
       (benchmarks/compiled_backward.py), not modelled."""
     from memplan.model.layer import grad_group_params
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     s, f, r, w = 262_144, 704_512, 2_048, 352_256
     if checkpoint == "none":
@@ -1124,7 +1125,7 @@ def test_compiled_sandwich_layer_matches_trace() -> None:
       trace (-4.2%)."""
     from memplan.model.layer import grad_group_params
     from memplan.parallel import validate
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     s, k, f, r, w = 262_144, 131_072, 917_504, 2_048, 458_752
     saved = 7 * s + 2 * k + 3 * f + 4 * r + 16_384
@@ -1179,7 +1180,7 @@ def test_compiled_sandwich_layer_rebuilt_matches_trace(gpu_realize: bool) -> Non
       differs."""
     from memplan.model.layer import grad_group_params
     from memplan.parallel import validate
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     s, k, f, r, w, n = 262_144, 131_072, 917_504, 2_048, 458_752, 524_288
     forward = 2 * s + r + 2 * f
@@ -1258,7 +1259,7 @@ def test_compiled_titan_moe_block_phase_peaks() -> None:
     schedule."""
     import torch
 
-    from memplan.profile.compiled_trace import compiled_layer_peaks
+    from recorded import compiled_layer_peaks  # tests/traced/recorded.py
 
     kind, groups = _titan_moe_kind(Recompute.NONE)
     stream = BATCH * SEQ * 128 * 2
@@ -1330,7 +1331,7 @@ def test_compiled_titan_moe_block_with_a_shared_expert(seq: int, width: int, sav
     (the eager order's shared moments were +10.9%: ``moe_titan._compiled_shared``)."""
     from memplan.model.layer import grad_group_params
     from memplan.parallel import validate
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
     from memplan.profile.frameworks import torchtitan_moe_config, torchtitan_moe_spec
 
     # a shared expert of that width (FeedForward, make_ffn_config), run after the routed ones

@@ -31,7 +31,8 @@ pytest.importorskip("peft")
 from hf_configs import LLAMA3_TOY, hf  # tests/traced/hf_configs.py
 from known import check, param  # tests/traced/known.py
 from memplan.profile import finetune  # noqa: F401 (registers the "peft" builder)
-from memplan.profile.frameworks import FrameworkCase, compare_framework
+from memplan.profile.frameworks import FrameworkCase
+from recorded import compare_framework  # tests/traced/recorded.py
 
 
 # a wide MLP over a small vocabulary: the adapters' fp32 transients in the MLP are the forward

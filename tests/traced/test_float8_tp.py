@@ -35,7 +35,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan")
 pytest.importorskip("torchao.float8")
 
-from memplan.profile.frameworks import FrameworkCase, compare_framework  # noqa: E402
+from memplan.profile.frameworks import FrameworkCase  # noqa: E402
+from recorded import compare_framework  # noqa: E402 (tests/traced/recorded.py)
 
 TITAN_TOY = dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000,
                  fuse_qkv=False)

@@ -26,11 +26,8 @@ torch = pytest.importorskip("torch")
 
 from hf_configs import DEEPSEEK_TOY, LLAMA3_TOY, hf  # tests/traced/hf_configs.py
 from known import Known, KnownDeviation, check, param, table  # tests/traced/known.py
-from memplan.profile.frameworks import (
-    FrameworkCase,
-    compare_framework,
-    fake_real_check,
-)
+from memplan.profile.frameworks import FrameworkCase
+from recorded import compare_framework, fake_real_check  # tests/traced/recorded.py
 
 
 IMPORTS = {"transformers": ("transformers",), "torchtitan": ("torchtitan", "triton"),

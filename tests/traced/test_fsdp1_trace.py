@@ -223,7 +223,8 @@ def test_transformers_llama_under_fsdp1(recipe: str, dp: int, fsdp1: dict) -> No
     pytest.importorskip("transformers")
     from hf_configs import LLAMA3_TOY, hf  # tests/traced/hf_configs.py
 
-    from memplan.profile.frameworks import FrameworkCase, compare_framework
+    from memplan.profile.frameworks import FrameworkCase
+    from recorded import compare_framework  # tests/traced/recorded.py
 
     case = FrameworkCase("transformers", "llama3-toy", hf("Meta-Llama-3-8B", **LLAMA3_TOY),
                          recipe, 2, 128, dp=dp, options={"fsdp1": fsdp1})
@@ -299,7 +300,7 @@ def test_peft_lora_under_fsdp1(config: str, recipe: str, dp: int, b: int, s: int
     if options.get("base_quant"):
         pytest.importorskip("bitsandbytes")
     from memplan.profile import finetune  # noqa: F401 (registers the "peft" builder)
-    from memplan.profile.frameworks import compare_framework
+    from recorded import compare_framework  # tests/traced/recorded.py
 
     result = compare_framework(_lora_case(config, recipe, dp, b, s, **options))
     for row in ("params_bytes", "grads_bytes", "optimizer_bytes"):
@@ -358,7 +359,7 @@ def test_qlora_under_fsdp1_known_gaps(case, known) -> None:
     from known import check  # tests/traced/known.py
 
     from memplan.profile import finetune  # noqa: F401 (registers the "peft" builder)
-    from memplan.profile.frameworks import compare_framework
+    from recorded import compare_framework  # tests/traced/recorded.py
 
     check(compare_framework(case).rows, known)
 

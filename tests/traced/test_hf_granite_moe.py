@@ -24,7 +24,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from known import EXACT, Known, KnownDeviation, check  # noqa: E402  (tests/traced/known.py)
-from memplan.profile.frameworks import FrameworkCase, compare_framework  # noqa: E402
+from memplan.profile.frameworks import FrameworkCase  # noqa: E402
+from recorded import compare_framework  # noqa: E402 (tests/traced/recorded.py)
 from test_hf_heldout import _TOY, TRACED, _cut  # noqa: E402
 
 

@@ -339,7 +339,7 @@ def test_library_matches_estimate(case, known) -> None:
     (Hunyuan's fp32 router weight, counted in bf16 under bf16-pure: 0.09% of the toy's
     parameters)."""
     from known import EXACT, check  # tests/traced/known.py
-    from memplan.profile.frameworks import compare_framework
+    from recorded import compare_framework  # tests/traced/recorded.py
 
     if not _known(case.config["model_type"]):
         pytest.skip(f"transformers {transformers.__version__} has no {case.config['model_type']!r}")
@@ -380,7 +380,8 @@ def test_moe_block_peaks_match_estimate(name: str) -> None:
     """Every phase peak within 1% where the MoE block sets it (Hunyuan's fp32 router weight:
     its states within 0.09%, as above)."""
     from known import EXACT, check  # tests/traced/known.py
-    from memplan.profile.frameworks import FrameworkCase, compare_framework
+    from memplan.profile.frameworks import FrameworkCase
+    from recorded import compare_framework  # tests/traced/recorded.py
 
     if not _known(TRACED[name]["model_type"]):
         pytest.skip(f"transformers {transformers.__version__} has no {name!r}")
@@ -440,7 +441,8 @@ def test_granite_parallel_moe_block_peaks(name: str, precision: str,
     """Every phase peak within 1% where transformers 5.3's Granite MoE block sets it, but the
     known rows above."""
     from known import EXACT, check  # tests/traced/known.py
-    from memplan.profile.frameworks import FrameworkCase, compare_framework
+    from memplan.profile.frameworks import FrameworkCase
+    from recorded import compare_framework  # tests/traced/recorded.py
 
     if not _parallel_experts():
         pytest.skip(f"transformers {transformers.__version__} runs Granite's MoE through its "

@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 from known import Known, KnownDeviation, check  # noqa: E402  (tests/traced/known.py)
 from memplan.model.model_states import count_stage_params  # noqa: E402
-from memplan.profile.frameworks import FrameworkCase, compare_framework  # noqa: E402
+from memplan.profile.frameworks import FrameworkCase  # noqa: E402
+from recorded import compare_framework  # noqa: E402 (tests/traced/recorded.py)
 from memplan.profile.hf_meta import config_for_model  # noqa: E402
 from memplan.spec import load_model, param_counts, spec_from_hf_dict  # noqa: E402
 

@@ -1,0 +1,406 @@
+"""Traces kept with what produced them: a traced test re-runs memplan's estimate, and re-runs a
+library's trace only when something that made the trace has changed.
+
+A traced test has two halves. The trace runs the library's real code under the tensor tracker:
+seconds to minutes per case, and it changes only when the library, torch or memplan's tracing
+code changes. The estimate is memplan's analytic model: milliseconds, and it is what most commits
+change. ``recorded(fn, *args)`` returns ``fn(*args)`` from a record in ``tests/data/recorded`` when
+the record still describes that call exactly, and otherwise runs ``fn``.
+
+A record holds ``fn``'s value (pickled) and everything the value was made from:
+
+- the call: ``fn``'s name and a canonical text of its arguments (a record's file name is the
+  SHA-256 of it and of the environment below, so a case's record is replaced, not added to);
+- the environment: the Python version, the installed versions of torch and of every library a
+  trace builds models with, torch's intra-op thread count (Inductor's generated code follows it),
+  and the ``TORCH*``/``OMP_*``/``MKL_*`` variables set;
+- every function, method, class and module of this repository (``memplan/`` and ``tests/``)
+  that ran while ``fn`` ran (``sys.settrace``, calls only), with the classes and functions
+  each sits in, and every class of this repository with an object in the value: each as a
+  digest of its compiled code (bytecode, names and constants, not line numbers: a change
+  elsewhere in the same file does not count). A function's or a class's digest covers the code
+  inside it, so a nested function or a method that torch.compile's Dynamo reads without
+  running it (``sys.settrace`` never sees it) still counts; a module counts with its own top
+  level (constants, imports), its functions and classes by name only. A function of this
+  repository that only Dynamo reads, in no class or function that ran, is not followed.
+
+A record matches when the call and the environment are the same and each of those digests is
+unchanged in today's source; a change in any of them, or a source file gone, makes the call run
+again. Functions of this repository that ran before ``fn`` and left a result behind (a cache)
+are cleared first where they are ``functools`` caches, so that they run, and are recorded, inside
+``fn``.
+
+``MEMPLAN_TRACES`` chooses what a run does:
+
+- ``use`` (the default): a matching record, else run ``fn``; nothing is written;
+- ``record``: a matching record, else run ``fn`` and write its record;
+- ``fresh``: run ``fn`` and ignore the records (the suite as it ran before records existed);
+- ``verify``: run ``fn`` and fail if a matching record holds another value.
+
+Re-record after changing tracing code or a library version with
+``MEMPLAN_TRACES=record pytest tests/traced`` (docs/contributing.md).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import gzip
+import hashlib
+import importlib.metadata
+import os
+import pickle
+import sys
+import threading
+import types
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+RECORDS = ROOT / "tests" / "data" / "recorded"
+# the source trees whose code a record follows (not the virtual environment inside the root)
+_SOURCES = tuple(str(ROOT / d) + os.sep for d in ("memplan", "tests"))
+_SELF = str(Path(__file__).resolve())  # the records' own machinery, not what made a value
+# the libraries a trace builds models with or runs (their versions are part of a record's key)
+_LIBRARIES = ("torch", "transformers", "torchtitan", "torchao", "peft", "bitsandbytes",
+              "litgpt", "lightning", "accelerate", "deepspeed", "megatron-core", "torchtune",
+              "triton", "numpy")
+_ENV_PREFIXES = ("TORCH", "OMP_", "MKL_")
+_ENV_IGNORED = ("TORCHINDUCTOR_CACHE_DIR",)  # where compiled artefacts live, not what they are
+MODES = ("use", "record", "fresh", "verify")
+FORMAT = 1
+
+
+class RecordMismatch(AssertionError):
+    """``verify``: a matching record holds another value than the call just made."""
+
+
+def mode() -> str:
+    m = os.environ.get("MEMPLAN_TRACES", "use")
+    if m not in MODES:
+        raise ValueError(f"MEMPLAN_TRACES={m!r}: expected one of {', '.join(MODES)}")
+    return m
+
+
+def recorded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, from its record where one matches (see the module's text)."""
+    m = mode()
+    try:
+        call = f"{fn.__module__}.{fn.__qualname__}{canonical((args, kwargs))}"
+    except TypeError:  # arguments with no text the same in every process: no record
+        return fn(*args, **kwargs)
+    key = hashlib.sha256((call + "\n" + canonical(environment())).encode()).hexdigest()
+    path = RECORDS / fn.__qualname__.replace(".", "_") / f"{key[:24]}.pkl.gz"
+    if m == "fresh":
+        return fn(*args, **kwargs)
+    record = _load(path, call) if path.exists() else None
+    if m == "use":
+        return record["value"] if record is not None else fn(*args, **kwargs)
+    if m == "verify":
+        value = fn(*args, **kwargs)
+        if record is not None and pickle.dumps(record["value"]) != pickle.dumps(value):
+            raise RecordMismatch(f"{path.relative_to(ROOT)}: the record of {call[:200]} holds "
+                                 "another value than the call made now")
+        return value
+    if record is not None:
+        return record["value"]
+    value, code = _run_collecting(fn, args, kwargs)
+    _write(path, call, value, code)
+    return value
+
+
+# --- the call and the environment as text ----------------------------------------------------
+
+def canonical(obj: Any) -> str:
+    """A text of ``obj`` that is the same in every process: dict keys and set members sorted,
+    dataclasses and pydantic models by their fields, enums by name. Raises ``TypeError`` for an
+    object whose text would name its address."""
+    if isinstance(obj, (str, int, float, bool, type(None), bytes)):
+        return repr(obj)
+    if isinstance(obj, enum.Enum):
+        return f"{type(obj).__qualname__}.{obj.name}"
+    if isinstance(obj, dict):
+        items = sorted((canonical(k), canonical(v)) for k, v in obj.items())
+        return "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
+    if isinstance(obj, (set, frozenset)):
+        return f"{type(obj).__name__}({{{', '.join(sorted(canonical(v) for v in obj))}}})"
+    if isinstance(obj, (list, tuple)):
+        return f"{type(obj).__name__}[{', '.join(canonical(v) for v in obj)}]"
+    if is_dataclass(obj) and not isinstance(obj, type):
+        inner = ", ".join(f"{f.name}={canonical(getattr(obj, f.name))}" for f in fields(obj))
+        return f"{type(obj).__qualname__}({inner})"
+    dump = getattr(obj, "model_dump", None)
+    if callable(dump):  # a pydantic model
+        return f"{type(obj).__qualname__}({canonical(dump())})"
+    if isinstance(obj, types.FunctionType):  # by name, with what its closure and defaults hold
+        cells = [c.cell_contents for c in obj.__closure__ or ()]
+        return (f"<{obj.__module__}.{obj.__qualname__} {canonical(cells)} "
+                f"{canonical(obj.__defaults__)} {canonical(obj.__kwdefaults__)}>")
+    if isinstance(obj, type):
+        return f"<{obj.__module__}.{obj.__qualname__}>"
+    text = repr(obj)
+    if " at 0x" in text:
+        raise TypeError(f"no canonical text for {type(obj).__qualname__}: {text[:80]}")
+    return text
+
+
+@functools.cache
+def _versions() -> tuple[tuple[str, str], ...]:
+    out = []
+    for name in _LIBRARIES:
+        try:
+            out.append((name, importlib.metadata.version(name)))
+        except importlib.metadata.PackageNotFoundError:
+            out.append((name, "-"))
+    return tuple(out)
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    env = {k: v for k, v in os.environ.items()
+           if k.startswith(_ENV_PREFIXES) and k not in _ENV_IGNORED}
+    return {"python": f"{sys.version_info.major}.{sys.version_info.minor}",
+            "versions": dict(_versions()), "torch_git": torch.version.git_version,
+            "threads": torch.get_num_threads(), "env": env, "format": FORMAT}
+
+
+# --- the code a call ran ----------------------------------------------------------------------
+
+def _const_text(c: Any, nested: bool) -> str:
+    if isinstance(c, types.CodeType):
+        return _digest(c) if nested else f"<code {c.co_qualname}>"
+    if isinstance(c, frozenset):
+        return "frozenset(" + ",".join(sorted(_const_text(v, nested) for v in c)) + ")"
+    if isinstance(c, tuple):
+        return "(" + ",".join(_const_text(v, nested) for v in c) + ")"
+    return repr(c)
+
+
+def _digest(code: types.CodeType, top: bool = False) -> str:
+    """A code object's own instructions, names and constants, not its line numbers or file;
+    with the digests of the code inside it (a function's nested functions, a class's
+    methods: code that torch.compile's Dynamo reads without running it, unseen by
+    ``sys.settrace``), except at a module's top level (``top``), where they are named."""
+    h = hashlib.sha256()
+    for part in (code.co_code, repr(code.co_names).encode(), repr(code.co_varnames).encode(),
+                 repr(code.co_freevars).encode(), repr(code.co_cellvars).encode(),
+                 f"{code.co_argcount},{code.co_posonlyargcount},{code.co_kwonlyargcount},"
+                 f"{code.co_flags}".encode(),
+                 "|".join(_const_text(c, not top) for c in code.co_consts).encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+MODULE = "<module>"
+
+
+@functools.lru_cache(maxsize=None)
+def _index_of(path: str, stamp: tuple[int, int]) -> dict[str, frozenset[str]] | None:
+    """Each code object's qualified name in the source file ``path`` (``<module>`` for its
+    top level) and the digests of the code objects of that name (lambdas and comprehensions
+    share theirs). None when the file is gone or does not compile."""
+    try:
+        source = Path(path).read_bytes()
+        top = compile(source, path, "exec", dont_inherit=True)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    out: dict[str, set[str]] = {}
+    stack = [top]
+    while stack:
+        code = stack.pop()
+        name = MODULE if code is top else code.co_qualname
+        out.setdefault(name, set()).add(_digest(code, top=code is top))
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+def index(path: str) -> dict[str, frozenset[str]] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _index_of(path, (st.st_mtime_ns, st.st_size))
+
+
+def _enclosing(qualname: str) -> list[str]:
+    """The classes and functions a qualified name sits in (``A.f.<locals>.g``: ``A``,
+    ``A.f``), whose bodies made it."""
+    out, prefix = [], []
+    for p in qualname.split(".")[:-1]:
+        prefix.append(p)
+        if p != "<locals>":
+            out.append(".".join(prefix))
+    return out
+
+
+def _ran_code(code_objects: set[types.CodeType],
+              classes: set[type]) -> dict[str, dict[str, list[str]]]:
+    """{file relative to the root: {qualified name: digests}} for the code that ran and the
+    classes the value holds, with their modules' top levels and the bodies they sit in."""
+    names: dict[str, set[str]] = {}
+    for code in code_objects:
+        names.setdefault(code.co_filename, set()).update(
+            [code.co_qualname, MODULE, *_enclosing(code.co_qualname)])
+    for cls in classes:
+        file = getattr(sys.modules.get(cls.__module__), "__file__", None)
+        if file and file.startswith(_SOURCES):
+            names.setdefault(file, set()).update(
+                [cls.__qualname__, MODULE, *_enclosing(cls.__qualname__)])
+    out: dict[str, dict[str, list[str]]] = {}
+    for file, quals in sorted(names.items()):
+        idx = index(file)
+        if idx is None:
+            raise RuntimeError(f"{file}: ran during a recorded call but has no source")
+        rel = os.path.relpath(file, ROOT)
+        # a name compiled from no file entry (a generated method) is followed by its class
+        out[rel] = {q: sorted(idx[q]) for q in sorted(quals) if q in idx}
+    return out
+
+
+def _matches(code: dict[str, dict[str, list[str]]]) -> bool:
+    for rel, quals in code.items():
+        idx = index(str(ROOT / rel))
+        if idx is None:
+            return False
+        for q, digests in quals.items():
+            if q not in idx or not set(digests) <= idx[q]:
+                return False
+    return True
+
+
+def _clear_repo_caches() -> None:
+    """Empty the ``functools`` caches of this repository's functions, so that what they compute
+    is computed again inside the recorded call, and recorded."""
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None) or ""
+        if not file.startswith(_SOURCES):
+            continue
+        for value in list(vars(module).values()):
+            candidates = [value, *(vars(value).values() if isinstance(value, type) else ())]
+            for c in candidates:
+                clear = getattr(c, "cache_clear", None)
+                if callable(clear) and getattr(c, "__module__", None) == module.__name__:
+                    clear()
+
+
+def _run_collecting(fn: Callable[..., T], args: tuple, kwargs: dict
+                    ) -> tuple[T, dict[str, dict[str, list[str]]]]:
+    _clear_repo_caches()
+    seen: set[types.CodeType] = set()
+
+    def tracer(frame: types.FrameType, event: str, arg: Any) -> None:
+        code = frame.f_code
+        if code.co_filename.startswith(_SOURCES) and code.co_filename != _SELF:
+            seen.add(code)
+        return None
+
+    old, old_threading = sys.gettrace(), threading.gettrace()
+    threading.settrace(tracer)
+    sys.settrace(tracer)
+    try:
+        value = fn(*args, **kwargs)
+    finally:
+        sys.settrace(old)
+        threading.settrace(old_threading)  # type: ignore[arg-type]
+    return value, _ran_code(seen, _repo_classes(value))
+
+
+def _repo_classes(value: Any) -> set[type]:
+    """The classes of this repository with an object in ``value`` (as pickle walks it)."""
+    found: set[type] = set()
+
+    class Walker(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            cls = obj if isinstance(obj, type) else type(obj)
+            module = sys.modules.get(getattr(cls, "__module__", ""), None)
+            if (getattr(module, "__file__", None) or "").startswith(_SOURCES):
+                found.add(cls)
+            return NotImplemented
+
+    import io
+
+    Walker(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return found
+
+
+# --- records on disk --------------------------------------------------------------------------
+
+def _load(path: Path, call: str) -> dict[str, Any] | None:
+    try:
+        with gzip.open(path, "rb") as f:
+            head = pickle.load(f)
+            if head.get("call") != call or head.get("format") != FORMAT:
+                return None
+            if not _matches(head["code"]):
+                return None
+            head["value"] = pickle.load(f)
+    except Exception:  # a record that cannot be read is no record: the call runs
+        return None
+    return head
+
+
+def _write(path: Path, call: str, value: Any, code: dict[str, dict[str, list[str]]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    head = {"format": FORMAT, "call": call, "environment": environment(), "code": code}
+    try:
+        # mtime 0: the same record is the same bytes
+        with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+            pickle.dump(head, f, protocol=4)
+            pickle.dump(value, f, protocol=4)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+# --- memplan.profile.frameworks' traces, kept ------------------------------------------------
+
+def kept_trace_case(case: Any, *, fake: bool | None = None, steps: int = 2) -> tuple[Any, Any]:
+    """``frameworks.trace_case`` through the records (``recorded``)."""
+    from kept_traces import framework_trace  # tests/traced/kept_traces.py
+
+    return recorded(framework_trace, case, fake, steps)
+
+
+def compare_framework(case: Any, *, fake: bool | None = None, steps: int = 2) -> Any:
+    """``frameworks.compare_framework`` with the trace through the records: the estimate and
+    the comparison run every time."""
+    from memplan.profile import frameworks
+
+    return frameworks.compare_framework(case, fake=fake, steps=steps, trace=kept_trace_case)
+
+
+def fake_real_check(case: Any, steps: int = 2) -> Any:
+    """``frameworks.fake_real_check`` with both traces through the records."""
+    from memplan.profile import frameworks
+
+    return frameworks.fake_real_check(case, steps=steps, trace=kept_trace_case)
+
+
+# --- memplan.profile.compiled_trace's compiled layers, kept ----------------------------------
+
+def compiled_layer_step(*args: Any, **kwargs: Any) -> Any:
+    """``compiled_trace.compiled_layer_step`` through the records."""
+    from memplan.profile import compiled_trace
+
+    return recorded(compiled_trace.compiled_layer_step, *args, **kwargs)
+
+
+def compiled_layer_peaks(*args: Any, **kwargs: Any) -> Any:
+    """``compiled_trace.compiled_layer_peaks`` through the records."""
+    from memplan.profile import compiled_trace
+
+    return recorded(compiled_trace.compiled_layer_peaks, *args, **kwargs)
+
+
+def compiled_layer_saved(*args: Any, **kwargs: Any) -> Any:
+    """``compiled_trace.compiled_layer_saved`` through the records."""
+    from memplan.profile import compiled_trace
+
+    return recorded(compiled_trace.compiled_layer_saved, *args, **kwargs)
