@@ -23,6 +23,9 @@ A record holds ``fn``'s value (pickled) and everything the value was made from:
   running it (``sys.settrace`` never sees it) still counts; a module counts with its own top
   level (constants, imports), its functions and classes by name only. A function of this
   repository that only Dynamo reads, in no class or function that ran, is not followed.
+  Besides code, what that code read from another module of the repository counts: the top
+  level of a module it read an attribute of or imported a value from (a table, a constant),
+  and the whole of a class it named (an enum, a model's fields).
 
 A record matches when the call and the environment are the same and each of those digests is
 unchanged in today's source; a change in any of them, or a source file gone, makes the call run
@@ -55,7 +58,7 @@ import threading
 import types
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 T = TypeVar("T")
 
@@ -200,14 +203,13 @@ MODULE = "<module>"
 
 
 @functools.lru_cache(maxsize=None)
-def _index_of(path: str, stamp: tuple[int, int]) -> dict[str, frozenset[str]] | None:
-    """Each code object's qualified name in the source file ``path`` (``<module>`` for its
+def _index_of(path: str, source: bytes) -> dict[str, frozenset[str]] | None:
+    """Each code object's qualified name in ``source`` (the file ``path``; ``<module>`` for its
     top level) and the digests of the code objects of that name (lambdas and comprehensions
-    share theirs). None when the file is gone or does not compile."""
+    share theirs). None when it does not compile."""
     try:
-        source = Path(path).read_bytes()
         top = compile(source, path, "exec", dont_inherit=True)
-    except (OSError, SyntaxError, ValueError):
+    except (SyntaxError, ValueError):
         return None
     out: dict[str, set[str]] = {}
     stack = [top]
@@ -220,11 +222,13 @@ def _index_of(path: str, stamp: tuple[int, int]) -> dict[str, frozenset[str]] | 
 
 
 def index(path: str) -> dict[str, frozenset[str]] | None:
+    """``_index_of`` the file as it is now (read each time; compiled once per content). None
+    when it is gone."""
     try:
-        st = os.stat(path)
+        source = Path(path).read_bytes()
     except OSError:
         return None
-    return _index_of(path, (st.st_mtime_ns, st.st_size))
+    return _index_of(path, source)
 
 
 def _enclosing(qualname: str) -> list[str]:
@@ -238,11 +242,12 @@ def _enclosing(qualname: str) -> list[str]:
     return out
 
 
-def _ran_code(code_objects: set[types.CodeType],
-              classes: set[type]) -> dict[str, dict[str, list[str]]]:
+def _ran_code(code_objects: Iterable[types.CodeType], classes: set[type],
+              modules: set[str] = frozenset()) -> dict[str, dict[str, list[str]]]:
     """{file relative to the root: {qualified name: digests}} for the code that ran and the
-    classes the value holds, with their modules' top levels and the bodies they sit in."""
-    names: dict[str, set[str]] = {}
+    classes named, with their modules' top levels and the bodies they sit in, and the top
+    levels of the source files ``modules``."""
+    names: dict[str, set[str]] = {file: {MODULE} for file in modules}
     for code in code_objects:
         names.setdefault(code.co_filename, set()).update(
             [code.co_qualname, MODULE, *_enclosing(code.co_qualname)])
@@ -291,12 +296,13 @@ def _clear_repo_caches() -> None:
 def _run_collecting(fn: Callable[..., T], args: tuple, kwargs: dict
                     ) -> tuple[T, dict[str, dict[str, list[str]]]]:
     _clear_repo_caches()
-    seen: set[types.CodeType] = set()
+    seen: dict[types.CodeType, dict[str, Any]] = {}  # the code that ran, and its globals
 
     def tracer(frame: types.FrameType, event: str, arg: Any) -> None:
         code = frame.f_code
-        if code.co_filename.startswith(_SOURCES) and code.co_filename != _SELF:
-            seen.add(code)
+        if (code not in seen and code.co_filename.startswith(_SOURCES)
+                and code.co_filename != _SELF):
+            seen[code] = frame.f_globals
         return None
 
     old, old_threading = sys.gettrace(), threading.gettrace()
@@ -307,7 +313,53 @@ def _run_collecting(fn: Callable[..., T], args: tuple, kwargs: dict
     finally:
         sys.settrace(old)
         threading.settrace(old_threading)  # type: ignore[arg-type]
-    return value, _ran_code(seen, _repo_classes(value))
+    modules, named = _globals_read(seen)
+    return value, _ran_code(seen, _repo_classes(value) | named, modules)
+
+
+_SCALARS = (int, float, complex, str, bytes, bool, type(None))
+
+
+def _repo_file(obj: Any) -> str | None:
+    file = getattr(obj, "__file__", None) or ""
+    return file if file.startswith(_SOURCES) and file != _SELF else None
+
+
+def _globals_read(seen: dict[types.CodeType, dict[str, Any]]) -> tuple[set[str], set[type]]:
+    """What the code that ran read from other modules of this repository, besides code: the
+    source files whose top level holds a value it named (a module it reads attributes of; a
+    container or object imported by identity; a number or text imported by name and value)
+    and the classes it named (an enum's members, a model's fields)."""
+    repo = [m for m in list(sys.modules.values()) if _repo_file(m)]
+    by_id: dict[int, set[str]] = {}
+    by_name: dict[str, list[tuple[str, Any]]] = {}
+    for module in repo:
+        for name, value in vars(module).items():
+            if name.startswith("__") or isinstance(value, (types.ModuleType, type,
+                                                           types.FunctionType)):
+                continue
+            if isinstance(value, _SCALARS):
+                by_name.setdefault(name, []).append((module.__file__, value))
+            else:
+                by_id.setdefault(id(value), set()).add(module.__file__)
+    files: set[str] = set()
+    classes: set[type] = set()
+    for code, g in seen.items():
+        for name in code.co_names:
+            if name.startswith("__") or name not in g:
+                continue
+            value = g[name]
+            if isinstance(value, types.ModuleType):
+                files.update(f for f in [_repo_file(value)] if f)
+            elif isinstance(value, type):
+                if _repo_file(sys.modules.get(value.__module__)):
+                    classes.add(value)
+            elif isinstance(value, _SCALARS):
+                files.update(f for f, v in by_name.get(name, ()) if v == value
+                             and type(v) is type(value))
+            elif not isinstance(value, types.FunctionType):
+                files.update(by_id.get(id(value), ()))
+    return files, classes
 
 
 def _repo_classes(value: Any) -> set[type]:
@@ -404,3 +456,16 @@ def compiled_layer_saved(*args: Any, **kwargs: Any) -> Any:
     from memplan.profile import compiled_trace
 
     return recorded(compiled_trace.compiled_layer_saved, *args, **kwargs)
+
+
+# --- memplan.profile.compare's reference-model traces, kept ----------------------------------
+
+def compare(spec: Any, par: Any, wl: Any, *, steps: int = 2, fake: bool = True) -> Any:
+    """``compare.compare`` with the reference model's trace through the records: the estimate
+    and the comparison run every time."""
+    from memplan.profile import compare as module
+
+    def kept(spec: Any, par: Any, wl: Any, *, steps: int, fake: bool) -> Any:
+        return recorded(module.run_trace, spec, par, wl, steps=steps, fake=fake)
+
+    return module.compare(spec, par, wl, steps=steps, fake=fake, trace=kept)

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 from known import Known, check  # noqa: E402  (tests/traced/known.py)
 from memplan.api import make_layout, make_workload  # noqa: E402
-from memplan.profile.compare import compare  # noqa: E402
+from recorded import compare  # noqa: E402 (tests/traced/recorded.py)
 from memplan.spec import ModelSpec, load_model  # noqa: E402
 
 TOLERANCE_PCT = 1.0

@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 
 from test_frameworks import LLAMA3_TOY, QWEN_TOY, hf  # tests/traced/test_frameworks.py
 from memplan import api
-from memplan.profile.compare import compare
+from recorded import compare  # tests/traced/recorded.py
 from memplan.profile.frameworks import FrameworkCase, compare_built, trace_case
 from memplan.spec import load_model
 from memplan.workload import Workload

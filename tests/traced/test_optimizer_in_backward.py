@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("bitsandbytes")  # imported before any trace: nothing of its import counted
 
 from memplan.api import make_layout, make_workload  # noqa: E402
-from memplan.profile.compare import compare  # noqa: E402
+from recorded import compare  # noqa: E402 (tests/traced/recorded.py)
 from memplan.spec import load_model  # noqa: E402
 
 TOLERANCE_PCT = 1.0

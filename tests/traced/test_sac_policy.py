@@ -20,8 +20,7 @@ torch = pytest.importorskip("torch")
 from hf_configs import DEEPSEEK_TOY, hf  # noqa: E402  (tests/traced/hf_configs.py)
 from memplan.api import make_layout, make_workload  # noqa: E402
 from memplan.profile.frameworks import FrameworkCase  # noqa: E402
-from recorded import compare_framework  # noqa: E402 (tests/traced/recorded.py)
-from memplan.profile.compare import compare  # noqa: E402
+from recorded import compare, compare_framework  # noqa: E402 (tests/traced/recorded.py)
 from memplan.spec import ModelSpec, load_model  # noqa: E402
 
 TOLERANCE_PCT = 1.0

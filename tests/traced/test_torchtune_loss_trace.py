@@ -26,7 +26,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from memplan.api import make_layout, make_workload  # noqa: E402
-from memplan.profile.compare import compare  # noqa: E402
+from recorded import compare  # noqa: E402 (tests/traced/recorded.py)
 from memplan.spec import load_model  # noqa: E402
 
 TOLERANCE_PCT = 1.0
