@@ -10,10 +10,11 @@ the record still describes that call exactly, and otherwise runs ``fn``.
 A record holds ``fn``'s value (pickled) and everything the value was made from:
 
 - the call: ``fn``'s name and a canonical text of its arguments (a record's file name is the
-  SHA-256 of it and of the environment below, so a case's record is replaced, not added to);
-- the environment: the Python version, the installed versions of torch and of every library a
-  trace builds models with, torch's intra-op thread count (Inductor's generated code follows it),
-  and the ``TORCH*``/``OMP_*``/``MKL_*`` variables set;
+  SHA-256 of it, so a case's record is replaced, not added to);
+- the environment (``environment``): the Python version, torch's build and intra-op thread
+  count (Inductor's generated code follows it), the ``TORCH*``/``OMP_*``/``MKL_*`` variables
+  set, and the installed version of every distribution whose code ran (torch, transformers,
+  ...: a library the trace never ran does not count);
 - every function, method, class and module of this repository (``memplan/`` and ``tests/``)
   that ran while ``fn`` ran (``sys.settrace``, calls only), with the classes and functions
   each sits in, and every class of this repository with an object in the value: each as a
@@ -67,10 +68,6 @@ RECORDS = ROOT / "tests" / "data" / "recorded"
 # the source trees whose code a record follows (not the virtual environment inside the root)
 _SOURCES = tuple(str(ROOT / d) + os.sep for d in ("memplan", "tests"))
 _SELF = str(Path(__file__).resolve())  # the records' own machinery, not what made a value
-# the libraries a trace builds models with or runs (their versions are part of a record's key)
-_LIBRARIES = ("torch", "transformers", "torchtitan", "torchao", "peft", "bitsandbytes",
-              "litgpt", "lightning", "accelerate", "deepspeed", "megatron-core", "torchtune",
-              "triton", "numpy")
 _ENV_PREFIXES = ("TORCH", "OMP_", "MKL_")
 _ENV_IGNORED = ("TORCHINDUCTOR_CACHE_DIR",)  # where compiled artefacts live, not what they are
 MODES = ("use", "record", "fresh", "verify")
@@ -95,7 +92,7 @@ def recorded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         call = f"{fn.__module__}.{fn.__qualname__}{canonical((args, kwargs))}"
     except TypeError:  # arguments with no text the same in every process: no record
         return fn(*args, **kwargs)
-    key = hashlib.sha256((call + "\n" + canonical(environment())).encode()).hexdigest()
+    key = hashlib.sha256(call.encode()).hexdigest()
     path = RECORDS / fn.__qualname__.replace(".", "_") / f"{key[:24]}.pkl.gz"
     if m == "fresh":
         return fn(*args, **kwargs)
@@ -110,8 +107,8 @@ def recorded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return value
     if record is not None:
         return record["value"]
-    value, code = _run_collecting(fn, args, kwargs)
-    _write(path, call, value, code)
+    value, code, libraries = _run_collecting(fn, args, kwargs)
+    _write(path, call, value, code, environment(libraries))
     return value
 
 
@@ -150,25 +147,43 @@ def canonical(obj: Any) -> str:
     return text
 
 
-@functools.cache
-def _versions() -> tuple[tuple[str, str], ...]:
-    out = []
-    for name in _LIBRARIES:
-        try:
-            out.append((name, importlib.metadata.version(name)))
-        except importlib.metadata.PackageNotFoundError:
-            out.append((name, "-"))
-    return tuple(out)
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
 
 
-def environment() -> dict[str, Any]:
+def environment(libraries: Iterable[str] = ()) -> dict[str, Any]:
+    """What a trace depends on beyond its call and this repository's code: the Python
+    version, torch's build and intra-op thread count (Inductor's generated code follows it),
+    the ``TORCH*``/``OMP_*``/``MKL_*`` variables set, and the installed versions of the
+    distributions ``libraries`` (those whose code ran; torch always)."""
     import torch
 
     env = {k: v for k, v in os.environ.items()
            if k.startswith(_ENV_PREFIXES) and k not in _ENV_IGNORED}
     return {"python": f"{sys.version_info.major}.{sys.version_info.minor}",
-            "versions": dict(_versions()), "torch_git": torch.version.git_version,
-            "threads": torch.get_num_threads(), "env": env, "format": FORMAT}
+            "versions": {d: _version(d) for d in sorted({"torch", *libraries})},
+            "torch_git": torch.version.git_version, "threads": torch.get_num_threads(),
+            "env": dict(sorted(env.items())), "format": FORMAT}
+
+
+@functools.cache
+def _distributions() -> dict[str, tuple[str, ...]]:
+    return {k: tuple(v) for k, v in importlib.metadata.packages_distributions().items()}
+
+
+def _libraries(files: Iterable[str]) -> set[str]:
+    """The installed distributions the source files ``files`` belong to."""
+    tops = set()
+    for file in files:
+        for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
+            _, found, rest = file.partition(marker)
+            if found:
+                tops.add(rest.split(os.sep, 1)[0].removesuffix(".py"))
+    dists = _distributions()
+    return {d for top in tops for d in dists.get(top, ())}
 
 
 # --- the code a call ran ----------------------------------------------------------------------
@@ -294,15 +309,20 @@ def _clear_repo_caches() -> None:
 
 
 def _run_collecting(fn: Callable[..., T], args: tuple, kwargs: dict
-                    ) -> tuple[T, dict[str, dict[str, list[str]]]]:
+                    ) -> tuple[T, dict[str, dict[str, list[str]]], set[str]]:
     _clear_repo_caches()
     seen: dict[types.CodeType, dict[str, Any]] = {}  # the code that ran, and its globals
+    others: set[str] = set()  # the files of other code that ran (installed libraries)
 
     def tracer(frame: types.FrameType, event: str, arg: Any) -> None:
         code = frame.f_code
-        if (code not in seen and code.co_filename.startswith(_SOURCES)
-                and code.co_filename != _SELF):
-            seen[code] = frame.f_globals
+        if code in seen:
+            return None
+        if code.co_filename.startswith(_SOURCES):
+            if code.co_filename != _SELF:
+                seen[code] = frame.f_globals
+        else:
+            others.add(code.co_filename)
         return None
 
     old, old_threading = sys.gettrace(), threading.gettrace()
@@ -314,7 +334,7 @@ def _run_collecting(fn: Callable[..., T], args: tuple, kwargs: dict
         sys.settrace(old)
         threading.settrace(old_threading)  # type: ignore[arg-type]
     modules, named = _globals_read(seen)
-    return value, _ran_code(seen, _repo_classes(value) | named, modules)
+    return value, _ran_code(seen, _repo_classes(value) | named, modules), _libraries(others)
 
 
 _SCALARS = (int, float, complex, str, bytes, bool, type(None))
@@ -388,6 +408,9 @@ def _load(path: Path, call: str) -> dict[str, Any] | None:
             head = pickle.load(f)
             if head.get("call") != call or head.get("format") != FORMAT:
                 return None
+            recorded_env = head["environment"]
+            if recorded_env != environment(recorded_env["versions"]):
+                return None
             if not _matches(head["code"]):
                 return None
             head["value"] = pickle.load(f)
@@ -396,10 +419,11 @@ def _load(path: Path, call: str) -> dict[str, Any] | None:
     return head
 
 
-def _write(path: Path, call: str, value: Any, code: dict[str, dict[str, list[str]]]) -> None:
+def _write(path: Path, call: str, value: Any, code: dict[str, dict[str, list[str]]],
+           env: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    head = {"format": FORMAT, "call": call, "environment": environment(), "code": code}
+    head = {"format": FORMAT, "call": call, "environment": env, "code": code}
     try:
         # mtime 0: the same record is the same bytes
         with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:

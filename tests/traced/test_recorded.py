@@ -61,7 +61,8 @@ class Tree:
         monkeypatch.setattr(recorded, "ROOT", root)
         monkeypatch.setattr(recorded, "RECORDS", root / "records")
         monkeypatch.setattr(recorded, "_SOURCES", (str(root / "src") + "/",))
-        monkeypatch.setattr(recorded, "environment", lambda: {"fixed": 1})
+        monkeypatch.setattr(recorded, "environment", lambda libraries=(): {"fixed": 1,
+                                                                         "versions": {}})
         self.write(SOURCE)
         self.write(TABLES, "tables.py")
 
@@ -148,7 +149,7 @@ def test_fresh_ignores_and_verify_checks_the_records(tree: Tree, monkeypatch) ->
     monkeypatch.setenv("MEMPLAN_TRACES", "record")
     head = recorded._load(path, f"recorded_probe.traced{recorded.canonical(((2,), {}))}")
     assert head is not None and head["value"].value == 7
-    recorded._write(path, head["call"], module.Box(70), head["code"])
+    recorded._write(path, head["call"], module.Box(70), head["code"], head["environment"])
     monkeypatch.setenv("MEMPLAN_TRACES", "verify")
     with pytest.raises(recorded.RecordMismatch):
         recorded.recorded(module.traced, 2)
@@ -156,7 +157,8 @@ def test_fresh_ignores_and_verify_checks_the_records(tree: Tree, monkeypatch) ->
 
 def test_a_record_of_another_environment_is_not_used(tree: Tree, monkeypatch) -> None:
     tree.call("record", monkeypatch)
-    monkeypatch.setattr(recorded, "environment", lambda: {"fixed": 2})
+    monkeypatch.setattr(recorded, "environment", lambda libraries=(): {"fixed": 2,
+                                                                         "versions": {}})
     assert tree.call("use", monkeypatch)[1] == 1
 
 
@@ -201,3 +203,13 @@ def test_digests_ignore_lines_and_follow_nested_code() -> None:
     assert nested["<module>"] == base["<module>"]
     assert index("def f():\n    def g():\n        return 1\n    return g\n\nK = 2\n")[
         "<module>"] != base["<module>"]
+
+
+def test_a_record_names_the_libraries_whose_code_ran() -> None:
+    import json
+
+    torch = pytest.importorskip("torch")
+    assert recorded._libraries([torch.__file__, json.__file__]) == {"torch"}
+    env = recorded.environment(["torch"])
+    assert env["versions"] == {"torch": torch.__version__}
+    assert env["threads"] == torch.get_num_threads()
