@@ -96,6 +96,7 @@ def recorded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     path = RECORDS / fn.__qualname__.replace(".", "_") / f"{key[:24]}.pkl.gz"
     if m == "fresh":
         return fn(*args, **kwargs)
+    _note_used(path)
     record = _load(path, call) if path.exists() else None
     if m == "use":
         return record["value"] if record is not None else fn(*args, **kwargs)
@@ -110,6 +111,26 @@ def recorded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     value, code, libraries = _run_collecting(fn, args, kwargs)
     _write(path, call, value, code, environment(libraries))
     return value
+
+
+def _note_used(path: Path) -> None:
+    """``MEMPLAN_TRACES_USED=FILE``: each record a call looks up, a line of ``FILE`` (for
+    ``prune``)."""
+    out = os.environ.get("MEMPLAN_TRACES_USED")
+    if out:
+        with open(out, "a") as f:
+            f.write(f"{path.relative_to(RECORDS)}\n")
+
+
+def prune(used: Path) -> list[Path]:
+    """Delete the records no call looked up in the run that wrote ``used``
+    (``MEMPLAN_TRACES_USED``): the records of cases since removed. The deleted paths."""
+    keep = set(used.read_text().split())
+    gone = [p for p in sorted(RECORDS.rglob("*.pkl.gz"))
+            if str(p.relative_to(RECORDS)) not in keep]
+    for p in gone:
+        p.unlink()
+    return gone
 
 
 # --- the call and the environment as text ----------------------------------------------------
@@ -345,23 +366,43 @@ def _repo_file(obj: Any) -> str | None:
     return file if file.startswith(_SOURCES) and file != _SELF else None
 
 
+@functools.lru_cache(maxsize=None)
+def _imported_names(path: str, source: bytes) -> frozenset[str]:
+    """The names the module's top level binds by ``import`` (values defined elsewhere)."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return frozenset()
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return frozenset(out)
+
+
 def _globals_read(seen: dict[types.CodeType, dict[str, Any]]) -> tuple[set[str], set[type]]:
     """What the code that ran read from other modules of this repository, besides code: the
-    source files whose top level holds a value it named (a module it reads attributes of; a
-    container or object imported by identity; a number or text imported by name and value)
-    and the classes it named (an enum's members, a model's fields)."""
-    repo = [m for m in list(sys.modules.values()) if _repo_file(m)]
-    by_id: dict[int, set[str]] = {}
-    by_name: dict[str, list[tuple[str, Any]]] = {}
-    for module in repo:
+    source files whose top level defines a value it named (a module it reads attributes of;
+    a table, an object or a constant it imported: the module that defines it, not those that
+    import it) and the classes it named (an enum's members, a model's fields)."""
+    defined: dict[str, list[tuple[str, Any]]] = {}  # name -> (file, value) where defined
+    for module in [m for m in list(sys.modules.values()) if _repo_file(m)]:
+        file = module.__file__
+        try:
+            imported = _imported_names(file, Path(file).read_bytes())
+        except OSError:
+            continue
         for name, value in vars(module).items():
-            if name.startswith("__") or isinstance(value, (types.ModuleType, type,
-                                                           types.FunctionType)):
+            if name.startswith("__") or name in imported or isinstance(
+                    value, (types.ModuleType, type, types.FunctionType)):
                 continue
-            if isinstance(value, _SCALARS):
-                by_name.setdefault(name, []).append((module.__file__, value))
-            else:
-                by_id.setdefault(id(value), set()).add(module.__file__)
+            defined.setdefault(name, []).append((file, value))
+    by_id = {id(v): f for entries in defined.values() for f, v in entries
+             if not isinstance(v, _SCALARS)}
     files: set[str] = set()
     classes: set[type] = set()
     for code, g in seen.items():
@@ -375,10 +416,11 @@ def _globals_read(seen: dict[types.CodeType, dict[str, Any]]) -> tuple[set[str],
                 if _repo_file(sys.modules.get(value.__module__)):
                     classes.add(value)
             elif isinstance(value, _SCALARS):
-                files.update(f for f, v in by_name.get(name, ()) if v == value
-                             and type(v) is type(value))
+                files.update(f for f, v in defined.get(name, ())
+                             if type(v) is type(value) and v == value)
             elif not isinstance(value, types.FunctionType):
-                files.update(by_id.get(id(value), ()))
+                same = [f for f, v in defined.get(name, ()) if v is value]
+                files.update(same or [by_id[id(value)]] if same or id(value) in by_id else ())
     return files, classes
 
 
@@ -493,3 +535,12 @@ def compare(spec: Any, par: Any, wl: Any, *, steps: int = 2, fake: bool = True) 
         return recorded(module.run_trace, spec, par, wl, steps=steps, fake=fake)
 
     return module.compare(spec, par, wl, steps=steps, fake=fake, trace=kept)
+
+
+if __name__ == "__main__":
+    # python tests/traced/recorded.py prune USED: after a whole run of tests/traced with
+    # MEMPLAN_TRACES=record MEMPLAN_TRACES_USED=USED
+    if len(sys.argv) != 3 or sys.argv[1] != "prune":
+        sys.exit("usage: python tests/traced/recorded.py prune USED")
+    for gone in prune(Path(sys.argv[2])):
+        print(f"deleted {gone.relative_to(ROOT)}")

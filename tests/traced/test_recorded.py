@@ -19,6 +19,13 @@ OFFSETS = {"a": 1}
 WIDTH = 2
 '''
 
+# a module that imports the same table and whose code never runs
+OTHER = '''
+from recorded_tables import OFFSETS
+
+LIMIT = 1
+'''
+
 SOURCE = '''
 from recorded_tables import OFFSETS, WIDTH
 
@@ -65,16 +72,17 @@ class Tree:
                                                                          "versions": {}})
         self.write(SOURCE)
         self.write(TABLES, "tables.py")
+        self.write(OTHER, "other.py")
 
     def write(self, text: str, name: str = "mod.py") -> None:
         (self.root / "src" / name).write_text(textwrap.dedent(text))
 
     def load(self) -> Any:
         """The module as its source is now (a fresh module object each time)."""
-        tables = importlib.util.spec_from_file_location("recorded_tables",
-                                                        self.root / "src" / "tables.py")
-        sys.modules["recorded_tables"] = importlib.util.module_from_spec(tables)
-        tables.loader.exec_module(sys.modules["recorded_tables"])
+        for name, file in (("recorded_tables", "tables.py"), ("recorded_other", "other.py")):
+            found = importlib.util.spec_from_file_location(name, self.root / "src" / file)
+            sys.modules[name] = importlib.util.module_from_spec(found)
+            found.loader.exec_module(sys.modules[name])
         name = "recorded_probe"  # one name: a value's class pickles alike from each load
         spec = importlib.util.spec_from_file_location(name, self.root / "src" / "mod.py")
         module = importlib.util.module_from_spec(spec)
@@ -134,6 +142,9 @@ def test_values_read_from_another_module_count(tree: Tree, monkeypatch, edit, va
     """A table and a constant imported from another module, none of whose code runs: its top
     level counts as a whole."""
     assert tree.call("record", monkeypatch) == (7, 1)
+    # another importer of the table is not where it is defined: its edits keep the record
+    tree.write(OTHER.replace("LIMIT = 1", "LIMIT = 2"), "other.py")
+    assert tree.call("use", monkeypatch)[1] == 0
     tree.write(TABLES.replace(*edit), "tables.py")
     assert tree.call("use", monkeypatch) == (value, 1)
 
@@ -213,3 +224,15 @@ def test_a_record_names_the_libraries_whose_code_ran() -> None:
     env = recorded.environment(["torch"])
     assert env["versions"] == {"torch": torch.__version__}
     assert env["threads"] == torch.get_num_threads()
+
+
+def test_prune_deletes_the_records_no_call_looked_up(tree: Tree, monkeypatch,
+                                                      tmp_path: Path) -> None:
+    used = tmp_path / "used.txt"
+    monkeypatch.setenv("MEMPLAN_TRACES_USED", str(used))
+    tree.call("record", monkeypatch)
+    stale = tree.root / "records" / "gone" / "0.pkl.gz"
+    stale.parent.mkdir()
+    stale.write_bytes(b"")
+    assert recorded.prune(used) == [stale]
+    assert tree.records() and not stale.exists()
