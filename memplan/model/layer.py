@@ -36,7 +36,7 @@ from memplan.model.attention import (
     held_weights_bytes,
     windowed,
 )
-from memplan.model import compiled, linear, sac_conv, sac_falcon, sac_mamba, sac_moe, sac_ops
+from memplan.model import compiled, compiled_order, linear, sac_conv, sac_falcon, sac_mamba, sac_moe, sac_ops
 from memplan.model.deltanet import cache_states_bytes
 from memplan.model.block import BackwardMoment, Block
 from memplan.model.deltanet import DeltaNet, deltanet_linears
@@ -456,9 +456,9 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     if not moe_layer and compiled.rebuilt_attention_schedule(spec, wl, dm, recompute):
         # the compiled attention's backward as Inductor orders it
         out += [LayerMoment(*m) for m in compiled.attention_backward_moments(spec, dm)]
-        # Inductor's wrapper holds the SDPA output's gradient only where its estimate allows
-        out = compiled.with_sdpa_grad_reuse(out, spec, dm,
-                                            grad_group_params(spec, dm.tp, 1, False, variant))
+        # Inductor's SDPA output gradient hold and its choice of order, from its estimates
+        out = compiled_order.with_full_ac_order(out, spec, dm,
+                                                grad_group_params(spec, dm.tp, 1, False, variant))
     if not moe_layer and (copy := compiled.rerun_output_copy_bytes(spec, wl, dm, recompute)):
         out = compiled.with_output_copy(out, copy)  # transformers' rerun's output copy
     return out
@@ -596,9 +596,9 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
                    or t.name.startswith("sac.moe.shared."))  # after the routed combine
         moments = full.moments
         if in_graph and compiled.sac_schedule(spec, dm):  # traced kernel
-            moments = compiled.sac_deferred(moments, _attention_rebuilt(spec, wl, dm, variant),
-                                            kept)
-            moments = compiled.with_attention_backward(moments, spec, wl, dm, kept)
+            moments = compiled_order.with_sac_schedule(
+                moments, spec, wl, dm, _attention_rebuilt(spec, wl, dm, variant), kept,
+                grad_group_params(spec, dm.tp, 1, False, variant))
         elif in_graph and (amp := compiled.autocast_sac_deferred(
                 moments, spec, dm, _attention_rebuilt(spec, wl, dm, variant),
                 kept)) is not None:  # under autocast, the traced kernel
