@@ -134,8 +134,41 @@ def with_sac_order(moments: Sequence[LayerMoment], spec: ModelSpec, dm: Dims,
             dropped += q
     out = [m._replace(alive_bytes=m.alive_bytes - dropped) if m.name in (_ROPE, _QKV) else m
            for m in out]
-    return with_lpmf_order(out, spec, dm, groups, peak, _size(kernel, dm, groups) - under
-                           - 2 * table)
+    lpmf_kernel = _size(kernel, dm, groups) + table
+    return with_lpmf_order(out, spec, dm, groups, peak,
+                           [sac_lpmf_rope(spec, dm, groups, lpmf_kernel, type(out[0]))])
+
+
+def sac_lpmf_rope(spec: ModelSpec, dm: Dims, groups: Mapping[str, int], kernel: int,
+                  moment: type) -> tuple[LayerMoment, int]:
+    """Per-op SAC in lpmf's order (``with_lpmf_order``): q's RoPE backward and Inductor's
+    estimate of it, given ``kernel``, the estimate at lpmf's MLP kernel. Alive beside the
+    input: the output projection's output, the MLP norm's output and statistics, the three
+    T f inputs of the deferred MLP weight gradients, both MLP input gradients, the attention
+    output's gradient, and the output projection's weight gradient, made before; in flight
+    the incoming gradient, the fused q/k/v gradient (one buffer, its dk and dv parts
+    written), q's fp32 upcast and its product, the table's conjugate. The estimate counts
+    the q/k/v gradient's written parts alone (T q less) and none of the wrapper's holds:
+    the SDPA output's gradient and the rerun's RoPE'd q (T q each, for the q/k/v and norm
+    input gradients) and the MLP norm backward's statistics, each held where the window's
+    estimate plus it stays within lpmf's peak. k's fp32 upcast, made before the kernel, is
+    held (or not) for dk's upcast alone: lpmf runs dk's RoPE backward before dq's, so it is
+    freed by then. Traced (Inductor's output code, h 256, f 768): 2 x 88 tokens, estimate
+    1,832,640 B (less the common offset) against lpmf's peak 2,067,648 at the kernel: the
+    three held, 2,171,264 B with the held output, the backward's peak (memplan -1.7%
+    without the moment); 2 x 80 the same holds, below lpmf's end."""
+    th, q, kv, q32, table = _sizes(spec, dm)
+    tf = dm.tokens * spec.ffn_hidden_size * dm.e
+    stats = dm.rows * FP32_BYTES
+    wo = spec.hidden_size * spec.num_attention_heads * spec.head_dim * dm.stream_e
+    transient = th + q + 2 * kv + 2 * q32 + table
+    estimate = 6 * th + 3 * tf + stats + transient + wo - q
+    peak = max(kernel, _size(moment(*mlp_grads_last(spec, dm)), dm, groups), estimate)
+    held = 0
+    for hold in (q, stats, q):
+        held += hold if estimate + held + hold <= peak else 0
+    alive = 6 * th + 3 * tf + stats + held
+    return moment("attention_rope", alive, transient, ("attn_out",)), estimate
 
 
 def with_sac_schedule(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
@@ -153,18 +186,20 @@ def with_sac_schedule(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workl
     return tuple(with_sac_order(moments, spec, compiled.rerun_dims(dm), groups, kept))
 
 
-def with_full_ac_order(moments: Sequence[LayerMoment], spec: ModelSpec, dm: Dims,
-                       groups: Mapping[str, int]) -> list[LayerMoment]:
-    """Full AC's moments with the SDPA output gradient's hold decided
-    (``compiled.with_sdpa_grad_reuse``), in lpmf's order where Inductor takes it
-    (``with_lpmf_order``). The baseline's estimated peak: the MLP's kernel as its
+def with_full_ac_order(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
+                       dm: Dims, groups: Mapping[str, int]) -> list[LayerMoment]:
+    """Full AC's moments (the SDPA output gradient's hold decided:
+    ``compiled.with_sdpa_grad_reuse``) in lpmf's order where Inductor takes it
+    (``with_lpmf_order``), for the layer ``compiled.rebuilt_attention_schedule`` traces. The baseline's estimated peak: the MLP's kernel as its
     moment (the reshape's fallback counted at two tables, the common offset) or q's RoPE
     backward less dq and the SDPA output's gradient (``compiled.attention_backward_moments``'
     moment with its hold; ``with_sdpa_grad_reuse``). Traced: 2 x 64, the baseline's estimate
     1,893,376 B at q's RoPE backward (memplan's 2,139,136 - 2 x 65,536 less the common
     114,688), lpmf's 1,852,416 at its end: lpmf; 2 x 96 the baseline's 2,342,400 at the MLP's
     kernel (lpmf does not defer there)."""
-    moments = compiled.with_sdpa_grad_reuse(moments, spec, dm, groups)
+    if not compiled.rebuilt_attention_schedule(spec, wl, dm, Recompute.FULL):
+        return list(moments)
+    dm = compiled.rerun_dims(dm)
     kernel = next((m for m in moments if m.name == _KERNEL), None)
     raw = next((m for m in compiled.attention_backward_moments(spec, dm) if m[0] == _ROPE),
                None)
@@ -172,8 +207,7 @@ def with_full_ac_order(moments: Sequence[LayerMoment], spec: ModelSpec, dm: Dims
         return list(moments)
     q = _sizes(spec, dm)[1]
     rope = raw[1] + raw[2] + dm.stream_e * sum(groups[g] for g in raw[3]) - 2 * q
-    kernel_est = _size(kernel, dm, groups)
-    return with_lpmf_order(moments, spec, dm, groups, max(kernel_est, rope), kernel_est)
+    return with_lpmf_order(moments, spec, dm, groups, max(_size(kernel, dm, groups), rope))
 
 
 def mlp_grads_last(spec: ModelSpec, dm: Dims) -> tuple[str, int, int, tuple[str, ...]]:
@@ -189,30 +223,37 @@ def mlp_grads_last(spec: ModelSpec, dm: Dims) -> tuple[str, int, int, tuple[str,
 
 
 def with_lpmf_order(moments: Sequence[LayerMoment], spec: ModelSpec, dm: Dims,
-                    groups: Mapping[str, int], baseline: int, kernel: int,
-                    ) -> list[LayerMoment]:
-    """``moments`` (the baseline's order, ``baseline`` its estimated peak, ``kernel`` the
-    estimate at the MLP's kernel) in lpmf's order where ``reorder_for_peak_memory`` takes it:
-    where lpmf defers the MLP's weight gradients (``lpmf_defers_mlp_grads``) and its estimated
-    peak is below the baseline's. lpmf runs the RoPE table's fallbacks (no inputs but graph
-    inputs) first, so at its MLP kernel the table's conjugate is made: its estimate there is
-    the baseline's plus one table (traced, full AC: 1,569,792 B against 1,561,600 at 2 x 64,
-    2,354,688 against 2,342,400 at 2 x 96), and memplan's moment the baseline's plus the
-    table (under per-op SAC lpmf's rerun of the attention comes before the kernel, 1,503,744
-    B at 2 x 64, not modelled: far below its end); its end is ``mlp_grads_last``, whose
-    estimate is its moment. Its attention's backward holds the three T f inputs of the MLP's
-    weight gradients and the MLP norm's output instead of those gradients, 3 f (h - T) - T h
-    elements less than the baseline's: below its end, as are the eager order's moments after
-    the kernel, dropped. Traced (Inductor's log): 2 x 64 full AC, lpmf 1,852,416 B against the
+                    groups: Mapping[str, int], baseline: int,
+                    extra: Sequence[tuple[LayerMoment, int]] = ()) -> list[LayerMoment]:
+    """``moments`` (the baseline's order, ``baseline`` its estimated peak) in lpmf's order
+    where ``reorder_for_peak_memory`` takes it: where lpmf defers the MLP's weight gradients
+    (``lpmf_defers_mlp_grads``) and its estimated peak is below the baseline's. lpmf runs
+    the RoPE table's fallbacks (no inputs but graph inputs) first, so at its MLP kernel the
+    table's conjugate is made: memplan's moment there is the baseline's plus one table, and
+    so is Inductor's estimate (full AC, traced: 1,569,792 B against 1,561,600 at 2 x 64,
+    2,354,688 against 2,342,400 at 2 x 96). Under per-op SAC lpmf also runs before it the
+    kernels that free graph inputs: the kept q/k/v output and logsumexp become the RoPE'd q
+    and k, v and the logsumexp's copy for SDPA's backward, the same bytes, now counted whole
+    (1,503,744 B at 2 x 64: the moment less the common offset). Its end is
+    ``mlp_grads_last``, whose estimate is its moment. Its attention's backward holds the
+    three T f inputs of the MLP's weight gradients and the MLP norm's output instead of
+    those gradients, 3 f (h - T) - T h elements less than the baseline's, far below its end
+    at 2 x 64 but lpmf's peak nearer the threshold: ``extra``, its moments with their
+    estimates (per-op SAC: ``sac_lpmf_rope``; under full AC not modelled: at 2 x 80 and
+    2 x 88 the kernel's above it, traced). The eager order's moments after the kernel are
+    dropped. Traced (Inductor's log): 2 x 64 full AC, lpmf 1,852,416 B against the
     baseline's 1,893,376; per-op SAC 1,852,416 against 1,888,768 (the rerun's RoPE): lpmf
-    both, the trace 1,901,568 B, memplan exact (+5.6% and +10.7% before). ``dfs`` (the third
-    sort) ties lpmf there and ``bfs`` is above both; neither is modelled."""
+    both, the trace 1,901,568 B, memplan exact (+5.6% and +10.7% before); 2 x 80 and 2 x 88
+    lpmf under both, exact. ``dfs`` (the third sort) ties lpmf at 2 x 64 and ``bfs`` is
+    above both; neither is modelled."""
     if not lpmf_defers_mlp_grads(spec, dm):
         return list(moments)
     end = type(moments[0])(*mlp_grads_last(spec, dm))
     table = _sizes(spec, dm)[4]
-    if max(_size(end, dm, groups), kernel + table) >= baseline:
-        return list(moments)
     first = [m for m in moments if not m.grads_before and m.name != RERUN_ROPE]
-    return [m._replace(transient_bytes=m.transient_bytes + table) if m.name == _KERNEL else m
+    lpmf = [m._replace(transient_bytes=m.transient_bytes + table) if m.name == _KERNEL else m
             for m in first] + [end]
+    estimates = [_size(m, dm, groups) for m in lpmf if m.name in (_KERNEL, MLP_GRADS_LAST)]
+    if max(estimates + [e for _, e in extra]) >= baseline:
+        return list(moments)
+    return lpmf + [m for m, _ in extra]

@@ -94,9 +94,14 @@ def test_lpmf_order_below_hidden() -> None:
         spec, wl, dm = _toy(recompute)
         size, peak = _peak(spec, wl, dm, recompute)
         assert peak == size["mlp_grads_last"] == 4 * S + f + weights == 1_967_104
-        assert "attention_rope" not in size and "mlp_in" not in size
-    rope = 8 * S + 2 * STATS + 2 * S + 2 * K + 2 * Q32 + TABLE + 1_179_648
-    assert rope == 2_139_136 and rope - 2 * S == 2_008_064 > 1_967_104
+        assert "mlp_in" not in size
+    # per-op SAC's q's RoPE backward in lpmf's order (``compiled_order.sac_lpmf_rope``):
+    # 6 S + 3 F + 512 + the held SDPA output gradient, RoPE'd q and statistics (2 S + 512);
+    # S + (S + 2 K) + 2 x 131,072 + 8,192 in flight; the output projection's weight gradient
+    rope = 6 * S + 3 * f + STATS + 2 * S + STATS + S + S + 2 * K + 2 * Q32 + TABLE + 131_072
+    assert size["attention_rope"] == rope == 1_680_384
+    baseline = 8 * S + 2 * STATS + 2 * S + 2 * K + 2 * Q32 + TABLE + 1_179_648
+    assert baseline == 2_139_136 and baseline - 2 * S == 2_008_064 > 1_967_104
     rerun = 7 * S + 98_304 + 4_096 + STATS + S + 2 * Q32 + TABLE + 1_179_648
     assert rerun == 2_077_184 and rerun - (98_304 - K) + TABLE == 2_003_456 > 1_967_104
 
@@ -162,3 +167,25 @@ def test_full_ac_sdpa_grad_reuse_by_size() -> None:
         assert size["attention_rope"] == rope - (0 if held else s)
         assert moments["attention_rope"].alive_bytes == alive
         assert moments["attention_qkv"].alive_bytes == alive
+
+
+def test_sac_lpmf_rope_near_the_threshold() -> None:
+    """Per-op SAC at 2 x 88 (T 176: 176 x 1,024 < 768 x 256, lpmf defers; S 90,112,
+    F 270,336, K 22,528, q's upcast 180,224, table 11,264, statistics 704): lpmf's peak is
+    q's RoPE backward (``compiled_order.sac_lpmf_rope``). Its estimate, the held buffers and
+    the q/k/v gradient's q part left out: 6 S + 3 F + 704 + (S + S + 2 K + 2 x 180,224 +
+    11,264) + 131,072 - S = 1,990,336; lpmf's peak estimate its kernel's, the baseline's
+    plus the table (2,225,344, above its end 4 S + F + 1,508,352 = 2,139,136); the holds
+    2 S + 704 fit under it: all three held, the moment 1,990,336 + S + 2 S + 704 =
+    2,261,376 B, the layer's peak (traced: 2,171,264 with the held output for the input and
+    the incoming gradient)."""
+    spec, wl, dm = _toy(Recompute.SELECTIVE, seq_len=88)
+    s, f, k, q32, table, stats = 90_112, 270_336, 22_528, 180_224, 11_264, 704
+    assert compiled_order.lpmf_defers_mlp_grads(spec, dm)
+    estimate = 6 * s + 3 * f + stats + (s + s + 2 * k + 2 * q32 + table) + 131_072 - s
+    assert estimate == 1_990_336
+    size, peak = _peak(spec, wl, dm, Recompute.SELECTIVE)
+    end = 4 * s + f + 1_508_352
+    assert size["mlp_grads_last"] == end == 2_139_136
+    assert size["mlp_act"] == 2_225_344 >= estimate + 2 * s + stats
+    assert peak == size["attention_rope"] == estimate + s + 2 * s + stats == 2_261_376
