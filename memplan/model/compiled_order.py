@@ -110,7 +110,7 @@ def with_sac_order(moments: Sequence[LayerMoment], spec: ModelSpec, dm: Dims,
     peak), 2,151,168 (q's RoPE backward): k's upcast held (+49,152 <= 2,243,328), neither T q
     buffer (+98,304 > it): the trace's 2,427,648 B at the rerun's RoPE, memplan exact (+5.8%
     before); 2 x 1,024 all three held (the MLP's kernel far above); 2 x 64 in lpmf's order."""
-    th, q, kv, _, table = _sizes(spec, dm)
+    _, q, kv, _, table = _sizes(spec, dm)
     qkv = sum(t.size_bytes for t in kept if t.name == "sac.attn.qkv")
     k32 = kv // dm.e * FP32_BYTES
     rerun = sac_rerun_rope(spec, dm, kept)
@@ -168,7 +168,7 @@ def sac_lpmf_rope(spec: ModelSpec, dm: Dims, groups: Mapping[str, int], kernel: 
     for hold in (q, stats, q):
         held += hold if estimate + held + hold <= peak else 0
     alive = 6 * th + 3 * tf + stats + held
-    return moment("attention_rope", alive, transient, ("attn_out",)), estimate
+    return moment(_ROPE, alive, transient, ("attn_out",)), estimate
 
 
 def with_sac_schedule(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
