@@ -57,6 +57,13 @@ CASES = [  # (library: torchtitan, transformers (Llama), olmo2 or gemma2, fused 
     ("torchtitan", True, "bfloat16", "op", 2, 64),  # torchtitan's per-op SAC
     ("torchtitan", True, "bfloat16", "op", 2, 96),
     ("torchtitan", True, "bfloat16", "op", 2, 1024),
+    # around lpmf's threshold (T (f + h) < f h: ``compiled_order.lpmf_defers_mlp_grads``)
+    ("torchtitan", True, "bfloat16", "full", 2, 32),
+    ("torchtitan", True, "bfloat16", "op", 2, 32),
+    ("torchtitan", True, "bfloat16", "full", 2, 80),
+    ("torchtitan", True, "bfloat16", "op", 2, 80),
+    ("torchtitan", True, "bfloat16", "full", 2, 88),
+    ("torchtitan", True, "bfloat16", "op", 2, 88),
     # fp32 weights under torch.autocast(bfloat16) around the compiled forward (accelerate's
     # prepare_model: ``compiled_trace._autocast``)
     ("transformers", False, "amp-bf16", "none", 2, 128),  # MLP weight gradients deferred

@@ -654,10 +654,11 @@ def attention_backward_moments(spec: ModelSpec, dm: Dims, kept: Sequence[Term] |
     weight gradients (one fused reduction kernel, torch/_inductor/scheduler.py
     ``Scheduler.fuse_nodes``), the output projection's and the q/k/v projection's weight
     gradients and the attention norm's backward run after the attention's backward, at the
-    layer's end. ``reorder_for_peak_memory`` (torch/_inductor/memory.py) keeps that order:
-    its three heuristic orders estimate the same peak as the baseline at both sizes (traced),
-    so no size decides a regime: the backward's peak is the largest of these moments and the
-    MLP's (``swiglu_moments``), the MLP's where T x f outweighs the MLP's weights.
+    layer's end. ``reorder_for_peak_memory`` (torch/_inductor/memory.py) keeps that order
+    where none of its three heuristic orders estimates a lower peak: the backward's peak is
+    the largest of these moments and the MLP's (``swiglu_moments``), the MLP's where T x f
+    outweighs the MLP's weights; where lpmf's order runs the MLP's weight gradients last and
+    estimates lower (2 x 64 tokens), ``compiled_order.with_lpmf_order`` takes it.
 
     Alive through the SDPA backward, beside the layer's input and the incoming gradient:
     the output projection's output (the residual sum is recomputed from it at the end),
@@ -675,7 +676,8 @@ def attention_backward_moments(spec: ModelSpec, dm: Dims, kept: Sequence[Term] |
     Buffer reuse holds a freed buffer to a later allocation of its bytes and dtype only where
     that does not raise Inductor's own peak estimate (``AllocateLine.should_reuse_buffer``):
     under full AC memplan applies that check to the SDPA output's gradient
-    (``with_sdpa_grad_reuse``); the other holds counted are those traced at every size.
+    (``with_sdpa_grad_reuse``); under per-op SAC all three holds are counted here and
+    ``compiled_order.with_sac_order`` keeps those the check keeps.
     Traced before the block kept its complex64 RoPE table (the trace harness cast it to a
     real one): full AC exact at 2 x 96 tokens, at 2 x
     64 one more hold, the MLP's up-projection gradient (T x f) for the q/k/v weight
@@ -727,9 +729,9 @@ def with_sdpa_grad_reuse(moments: Sequence[LayerMoment], spec: ModelSpec, dm: Di
     2,422,272 B against the MLP kernel's 2,416,128: the trace 2,422,272, exact; 4.1% over
     before); with the table cast to a real one (no ``_conj``; the conjugate made inside
     ``aten.mul``, no estimate) 2,213,376 + 98,304 <= 2,317,824: held; 2 x 1,024 held (the
-    MLP's kernel far above). At 2 x 64 Inductor holds it (1,434,624 + 65,536 <= 1,852,416):
-    its order there defers the MLP's weight gradients to the end, not memplan's moments,
-    which free it (memplan 5.6% over the trace, 9.1% before)."""
+    MLP's kernel far above). At 2 x 64 Inductor runs lpmf's order, which defers the MLP's
+    weight gradients to the end (``compiled_order.with_lpmf_order``), and holds it there
+    (1,434,624 + 65,536 <= 1,852,416), below that end."""
     rope = next((m for m in moments if m.name == "attention_rope"), None)
     if rope is None:
         return list(moments)

@@ -36,7 +36,7 @@ from memplan.model.attention import (
     held_weights_bytes,
     windowed,
 )
-from memplan.model import compiled, linear, sac_conv, sac_falcon, sac_mamba, sac_moe, sac_ops
+from memplan.model import compiled, compiled_order, linear, sac_conv, sac_falcon, sac_mamba, sac_moe, sac_ops
 from memplan.model.deltanet import cache_states_bytes
 from memplan.model.block import BackwardMoment, Block
 from memplan.model.deltanet import DeltaNet, deltanet_linears
@@ -570,43 +570,7 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
     if policy is Recompute.OPS:
         return ops_kind(spec, wl, dm, moe, variant)
     if policy is Recompute.SELECTIVE and wl.selective_impl is SelectiveImpl.OP:
-        # per-op SAC: a fully recomputed layer that also keeps its save list's outputs,
-        # which the rerun reuses (so its backward is the full recompute's)
-        full = layer_kind(spec, wl, dm, moe, Recompute.FULL, variant)
-        fused = wl.fused_qkv or spec.fused_qkv
-        # torchtitan's MoE block: its counted matmuls and the router's topk
-        titan = moe and wl.moe_impl is MoeImpl.TITAN
-        kept = moe_titan.sac_terms(spec, dm, fused) if titan else sac_terms(spec, dm, fused)
-        kept = tuple(compiled.sac_kept(kept, spec, dm, fused) if wl.compile else kept)
-        # the recomputed layer's forward peaks in the MLP, before the down projection, whose
-        # output (kept) does not exist yet; compiled with the checkpoint inside the graph,
-        # at the up projection's matmul (``compiled.checkpointed_mlp_working_bytes``), which
-        # holds the gate's output, the very tensor the policy keeps (traced: torchtitan's
-        # block, 2 x 64 and 2 x 1,024 tokens, benchmarks/compiled_backward.py: one T x f over;
-        # under autocast at the MLP's activation kernel, gate and up beside it: traced,
-        # tests/traced/test_compile_trace.py, 2 x 256 and 2 x 1,024, exact)
-        in_graph = not moe and not compiled.in_checkpoint(wl)
-        linears = mlp_linears(spec, spec.ffn_hidden_size)
-        gate_held = in_graph and (
-            compiled.checkpointed_mlp_working_bytes(spec, dm, linears) is not None
-            or compiled.autocast_checkpointed_forward_bytes(spec, dm) is not None
-            or compiled.float8_gate_held(spec, dm, linears))
-        late = sum(t.size_bytes for t in kept
-                   if t.name == "sac.mlp.w2" or (t.name == "sac.mlp.w1" and gate_held)
-                   or t.name.startswith("sac.moe.shared."))  # after the routed combine
-        moments = full.moments
-        if in_graph and compiled.sac_schedule(spec, dm):  # traced kernel
-            moments = compiled.sac_deferred(moments, _attention_rebuilt(spec, wl, dm, variant),
-                                            kept)
-            moments = compiled.with_attention_backward(moments, spec, wl, dm, kept)
-        elif in_graph and (amp := compiled.autocast_sac_deferred(
-                moments, spec, dm, _attention_rebuilt(spec, wl, dm, variant),
-                kept)) is not None:  # under autocast, the traced kernel
-            moments = amp
-        return full._replace(terms=full.terms + kept,
-                             saved_bytes=full.saved_bytes + total(kept),
-                             forward_peak_bytes=full.forward_peak_bytes + total(kept) - late,
-                             forward_blocks=(), moments=moments)
+        return _op_sac_kind(spec, wl, dm, moe, variant)
     # each block's saved terms, made once for the terms and both walks
     saved = (None if policy is Recompute.FULL else
              tuple(b.saved(spec, wl, dm, policy) for b in layer_blocks(spec, moe, variant)))
@@ -614,6 +578,9 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
                               saved=saved))
     moments = backward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant,
                                saved_terms=saved)
+    if policy is Recompute.FULL and not moe:  # Inductor's choice of order, by its estimates
+        moments = compiled_order.with_full_ac_order(
+            moments, spec, wl, dm, grad_group_params(spec, dm.tp, 1, False, variant))
     forward = forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant,
                               saved=saved)
     return LayerKind(terms, total(terms), tuple(moments),
@@ -621,6 +588,49 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
                      layer_cast_cache_bytes(spec, wl, dm, moe, policy, variant)
                      + kv_cache_bytes(spec, wl, dm, policy, variant),
                      by_block(forward, mlp_steps(spec, wl, dm, moe, policy)))
+
+
+def _op_sac_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
+                 variant: str) -> LayerKind:
+    """Per-op SAC's layer kind (``layer_kind``): a fully recomputed layer that also keeps its
+    save list's outputs, which the rerun reuses (so its backward is the full recompute's)."""
+    full = layer_kind(spec, wl, dm, moe, Recompute.FULL, variant)
+    fused = wl.fused_qkv or spec.fused_qkv
+    # torchtitan's MoE block: its counted matmuls and the router's topk
+    titan = moe and wl.moe_impl is MoeImpl.TITAN
+    kept = moe_titan.sac_terms(spec, dm, fused) if titan else sac_terms(spec, dm, fused)
+    kept = tuple(compiled.sac_kept(kept, spec, dm, fused) if wl.compile else kept)
+    # the recomputed layer's forward peaks in the MLP, before the down projection, whose
+    # output (kept) does not exist yet; compiled with the checkpoint inside the graph,
+    # at the up projection's matmul (``compiled.checkpointed_mlp_working_bytes``), which
+    # holds the gate's output, the very tensor the policy keeps (traced: torchtitan's
+    # block, 2 x 64 and 2 x 1,024 tokens, benchmarks/compiled_backward.py: one T x f over;
+    # under autocast at the MLP's activation kernel, gate and up beside it: traced,
+    # tests/traced/test_compile_trace.py, 2 x 256 and 2 x 1,024, exact)
+    in_graph = not moe and not compiled.in_checkpoint(wl)
+    linears = mlp_linears(spec, spec.ffn_hidden_size)
+    gate_held = in_graph and (
+        compiled.checkpointed_mlp_working_bytes(spec, dm, linears) is not None
+        or compiled.autocast_checkpointed_forward_bytes(spec, dm) is not None
+        or compiled.float8_gate_held(spec, dm, linears))
+    late = sum(t.size_bytes for t in kept
+               if t.name == "sac.mlp.w2" or (t.name == "sac.mlp.w1" and gate_held)
+               or t.name.startswith("sac.moe.shared."))  # after the routed combine
+    moments = full.moments
+    if in_graph and compiled.sac_schedule(spec, dm):  # traced kernel, Inductor's own order
+        baseline = backward_moments(spec, wl, dm, moe_layer=moe, recompute=Recompute.FULL,
+                                    variant=variant)  # before full AC's choice of order
+        moments = compiled_order.with_sac_schedule(
+            baseline, spec, wl, dm, _attention_rebuilt(spec, wl, dm, variant), kept,
+            grad_group_params(spec, dm.tp, 1, False, variant))
+    elif in_graph and (amp := compiled.autocast_sac_deferred(
+            moments, spec, dm, _attention_rebuilt(spec, wl, dm, variant),
+            kept)) is not None:  # under autocast, the traced kernel
+        moments = amp
+    return full._replace(terms=full.terms + kept,
+                         saved_bytes=full.saved_bytes + total(kept),
+                         forward_peak_bytes=full.forward_peak_bytes + total(kept) - late,
+                         forward_blocks=(), moments=moments)
 
 
 def _attention_rebuilt(spec: ModelSpec, wl: Workload, dm: Dims, variant: str) -> list[Term]:

@@ -953,41 +953,64 @@ def test_compiled_recompute_backward_at_the_mlp_kernel(checkpoint: str,
 
 
 @pytest.mark.parametrize("checkpoint,seq,traced_backward,over", [
-    ("full", 96, 2_422_272, 0), ("op", 64, 1_901_568, 204_288)])
+    ("full", 96, 2_422_272, 0), ("full", 64, 1_901_568, 0), ("op", 64, 1_901_568, 0),
+    ("op", 96, 2_427_648, 0), ("op", 88, 2_171_264, 0)])
 def test_compiled_attention_backward_below_hidden(checkpoint: str, seq: int,
                                                   traced_backward: int, over: int) -> None:
     """torchtitan's block (fused wqkv, bf16) recomputed inside the compiled graph with fewer
     tokens than the hidden size (T 192 and 128 < h 256), where the MLP's weight gradients
-    outweigh its T x f activations: the backward peaks in the attention's backward, at q's
-    RoPE backward after SDPA's, the norms' and the attention projections' weight gradients
-    and the residual sums deferred to the layer's end (``compiled.attention_backward_
-    moments``; one kernel per scheduler node). By hand, S = T h 2, K = T 64 2, the MLP's
-    weight gradients 1,179,648 B, the table seq x 16 x 8:
+    outweigh its T x f activations, traced with Inductor's GPU realization rules
+    (``gpu_realize``; one kernel per scheduler node). By hand, S = T h 2, K = T 64 2, F = T f
+    2, the MLP's weight gradients 1,179,648 B, all of the layer's 1,508,352 B, the table
+    seq x 16 x 8:
 
-    - full AC at 2 x 96 (S 98,304, K 24,576): alive 7 S + two statistics (2 x 768) =
-      689,664; in flight 2 S + 2 K + q's fp32 upcast and product (2 x 196,608) + the
-      table's conjugate (12,288) = 651,264; less one stream: 2,422,272 B, the trace exact.
-      The SDPA output's gradient (S) is freed after SDPA's backward, not held for the q/k/v
-      input gradient (``compiled.with_sdpa_grad_reuse``): Inductor's reuse check
-      estimates 2,250,240 + 98,304 B against its peak 2,342,400 (the MLP's kernel); in
-      memplan's moments 2,520,576 - dq 98,304 = 2,422,272 against the MLP kernel's
-      2,416,128. With the table cast to a real one (as the harness did before
-      ``compiled_trace._titan_params_to``) it was held: 2,520,576 B traced;
-    - per-op SAC at 2 x 64 (S 65,536, K 16,384): alive 8 S + 512 + k's fp32 upcast 32,768 =
-      557,568; in flight 434,176; less one stream: 2,105,856 B, the trace with Inductor's CPU
-      realization rules exact (before -8.0%).
-
-    Traced with Inductor's GPU realization rules (``gpu_realize``): per-op SAC at 2 x 64
-    1,901,568 B, memplan 204,288 B over (+10.7%): Inductor orders the backward otherwise
-    there (the kernels not yet examined), not modelled."""
+    - full AC at 2 x 96 (S 98,304, K 24,576), Inductor's own order (lpmf does not defer the
+      MLP's weight gradients: 768 x 64 = 192 x 256, ``compiled_order.lpmf_defers_mlp_grads``):
+      the peak at q's RoPE backward after SDPA's, the norms' and the attention projections'
+      weight gradients and the residual sums deferred to the layer's end
+      (``compiled.attention_backward_moments``): alive 7 S + two statistics (2 x 768) =
+      689,664; in flight 2 S + 2 K + q's fp32 upcast and product (2 x 196,608) + the table's
+      conjugate (12,288) = 651,264; less one stream: 2,422,272 B, the trace exact. The SDPA
+      output's gradient (S) is freed after SDPA's backward, not held for the q/k/v input
+      gradient (``compiled.with_sdpa_grad_reuse``): Inductor's reuse check estimates
+      2,250,240 + 98,304 B against its peak 2,342,400 (the MLP's kernel);
+    - 2 x 64 (S 65,536, F 196,608), full AC and per-op SAC alike: Inductor takes lpmf's order
+      (``compiled_order.with_lpmf_order``: estimates 1,852,416 B against the baseline's
+      1,893,376 and 1,888,768), which runs the MLP's weight gradients last: at the gate's,
+      every weight gradient, the input gradient, the MLP norm's output and gate's output
+      gradient beside the held output: 3 S + F + 1,508,352 = 1,901,568 B, the trace exact
+      (memplan +5.6% and +10.7% before, at q's RoPE backward in the baseline's order);
+    - per-op SAC at 2 x 96, the baseline's order: the peak at the rerun's RoPE of q after the
+      MLP's backward (``compiled_order.sac_rerun_rope``): alive 5 S + SDPA's output gradient
+      S + the kept q/k/v (T 384 2 = 147,456), SDPA output (S) and logsumexp (6,144) + the MLP
+      norm's statistics 768 = 842,496; in flight S + 2 x 196,608 + 12,288 = 503,808; less one
+      stream: 2,427,648 B, the trace exact. At q's RoPE backward the wrapper holds k's fp32
+      upcast but neither S buffer (``compiled_order.with_sac_order``): 2,372,352 B there
+      (memplan +5.8% before, holding both);
+    - per-op SAC at 2 x 88 (S 90,112, F 270,336; 176 x 1,024 < 768 x 256): lpmf's order,
+      its peak at q's RoPE backward (``compiled_order.sac_lpmf_rope``): alive 6 S + 3 F + 704
+      + the held SDPA output gradient and RoPE'd q (2 S) and statistics (704); in flight S +
+      the q/k/v gradient 135,168 + 2 x 180,224 + 11,264; the output projection's weight
+      gradient 131,072; less one stream: 2,171,264 B, the trace exact (-1.7% before)."""
     from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     batch = 2
-    _, _, _, _, backward, stream = _titan_rebuilt(checkpoint, batch, seq)
+    _, _, _, kind, backward, stream = _titan_rebuilt(checkpoint, batch, seq)
     s, k, q32, table = stream, batch * seq * 64 * 2, 2 * stream, seq * 16 * 8
-    stats = batch * seq * 4
-    alive = (7 * s + 2 * stats) if checkpoint == "full" else (8 * s + stats + 2 * k)
-    assert backward - stream == alive + 2 * s + 2 * k + 2 * q32 + table + 1_179_648 - stream
+    f, stats = batch * seq * 768 * 2, batch * seq * 4
+    if seq == 64:
+        assert any(m.name == "mlp_grads_last" for m in kind.moments)
+        assert backward - stream == 3 * s + f + 1_508_352
+    elif seq == 88:
+        assert backward - stream == 8 * s + 3 * f + 2 * stats + s + 135_168 + 2 * q32 \
+            + table + 131_072 - stream
+    elif checkpoint == "full":
+        assert backward - stream == 7 * s + 2 * stats + 2 * s + 2 * k + 2 * q32 + table \
+            + 1_179_648 - stream
+    else:
+        attn = batch * seq * 384 * 2 + s + 2 * 8 * seq * 4
+        assert backward - stream == 6 * s + attn + stats + s + 2 * q32 + table \
+            + 1_179_648 - stream
     assert backward - stream - traced_backward == over
     _, _, traced = compiled_layer_step(TITAN_FUSED, "bfloat16", batch, seq, checkpoint=checkpoint,
                                        gpu_realize=True)

@@ -1,0 +1,259 @@
+"""Which of Inductor's kernel orders a compiled layer's backward runs, from memplan's moments.
+
+Inductor's scheduler keeps, of its own order (the baseline) and three heuristic sorts, the one
+of the lowest estimated peak (torch/_inductor/memory.py ``reorder_for_peak_memory``, torch
+2.13: ``min`` over the list, baseline first, so a tie keeps the baseline); its wrapper then
+holds a freed buffer for a later allocation of its key only where that does not raise the
+chosen order's estimated peak (codegen/wrapper.py ``AllocateLine.should_reuse_buffer``). Both
+read ``estimate_peak_memory``: the buffers the graph allocates, by their sizes, from their
+first writer to their last reader, graph outputs to the end, graph inputs the graph cannot
+free (the checkpointed input, the incoming gradient, the weights) not counted. Here the two
+decisions are taken for torchtitan's block rebuilt inside the compiled graph
+(``compiled.rebuilt_attention_schedule``: fused q/k/v, its complex64 RoPE table), with the
+estimates computed from memplan's moments, as ``compiled.float8_lpmf_grad_in_first`` does.
+
+Each estimate below is a moment's bytes less what Inductor's estimate leaves out or adds; a
+constant common to all of them (the input and the incoming gradient, not counted, less two
+tables of the RoPE fallbacks' buffers, counted and not freed: ``compute_size_for_scheduler_
+buffer`` gives a ``MultiOutputLayout`` fallback its users' bytes and frees those once) is
+left out of every one, so the comparisons hold. Traced: benchmarks/compiled_backward.py,
+Inductor's log (``reorder_for_peak_memory``'s estimates) and its output code, 2 x 64, 2 x 96
+and 2 x 1,024 tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from memplan.model import compiled
+from memplan.model.dims import COMPLEX64_PAIR_BYTES, FP32_BYTES, Dims, Term
+from memplan.spec import ModelSpec
+from memplan.workload import Recompute, Workload
+
+if TYPE_CHECKING:
+    from memplan.model.layer import LayerMoment
+
+# the moments of Inductor's order of the rebuilt layer's backward (``compiled``), the others
+# being the eager order's
+_KERNEL, _ROPE, _QKV = "mlp_act", "attention_rope", "attention_qkv"
+RERUN_ROPE, MLP_GRADS_LAST = "attention_rerun_rope", "mlp_grads_last"
+_ALL_GROUPS = ("mlp", "mlp_norm", "attn", "attn_norm")
+
+
+def lpmf_defers_mlp_grads(spec: ModelSpec, dm: Dims) -> bool:
+    """Whether ``topological_sort_lpmf`` (torch/_inductor/memory.py) runs the MLP's three weight
+    gradients after everything else. After the MLP's fused kernel lpmf picks, among the ready
+    nodes that fit under its running peak, the one of the least bytes written less bytes
+    freed, then the lowest index. The down projection's weight gradient writes h f and frees
+    the product (T f, its last reader); the up projection's grad-input matmul writes T h and
+    frees nothing yet (its weight gradient still reads the same input): the weight gradient
+    goes later where f (h - T) > T h, and so do gate's and up's, which write h f and free at
+    most their T f input; the attention's nodes all write less than that net. A tie goes to
+    the weight gradient (the lower index, the baseline's order): at 2 x 96 tokens with h 256
+    and f 768, 768 x 64 = 192 x 256, the baseline's order follows. Traced: 2 x 64 deferred
+    (lpmf's estimate 1,852,416 B, its peak at the last weight gradient), 2 x 96 and 2 x
+    1,024 not (lpmf's order runs them after the MLP's kernel)."""
+    f, h, t = spec.ffn_hidden_size, spec.hidden_size, dm.tokens
+    return t * (f + h) < f * h
+
+
+def _sizes(spec: ModelSpec, dm: Dims) -> tuple[int, int, int, int, int]:
+    """(T h, T q, T kv, q's fp32 upcast, the complex64 RoPE table of the layer's positions)
+    in bytes."""
+    th = dm.rows * spec.hidden_size * dm.e
+    q = dm.tokens * spec.num_attention_heads * spec.head_dim * dm.e
+    kv = dm.tokens * spec.num_kv_heads * spec.head_dim * dm.e
+    table = dm.s * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES
+    return th, q, kv, q // dm.e * FP32_BYTES, table
+
+
+def sac_rerun_rope(spec: ModelSpec, dm: Dims, kept: Sequence[Term],
+                   ) -> tuple[str, int, int, tuple[str, ...]]:
+    """Per-op SAC: the rerun's RoPE of q, after the MLP's backward and its weight gradients
+    (``compiled.sac_deferred``: the attention side rebuilt where its backward needs it).
+    Alive: the input, the output projection's output (rebuilt from the kept SDPA output for
+    the MLP norm's backward), both MLP input gradients, the attention output's gradient and
+    its product with the output projection's weight (SDPA's output gradient, T q), the
+    policy's kept attention outputs (q/k/v, SDPA's output, its logsumexp) and the MLP norm's
+    statistics; in flight the incoming gradient, q's fp32 upcast and its complex product,
+    and the table's conjugate (a clone, made before). Traced (Inductor's output code, 2 x 96
+    tokens): the backward's peak, 2,427,648 B with the held output for the input and the
+    incoming gradient."""
+    th, q, _, q32, table = _sizes(spec, dm)
+    attn = sum(t.size_bytes for t in kept if t.name.startswith("sac.attn."))
+    alive = 5 * th + q + attn + dm.rows * FP32_BYTES
+    return (RERUN_ROPE, alive, th + 2 * q32 + table, ("mlp",))
+
+
+def _size(m: LayerMoment, dm: Dims, groups: Mapping[str, int]) -> int:
+    return m.alive_bytes + m.transient_bytes + dm.stream_e * sum(
+        groups[g] for g in m.grads_before)
+
+
+def with_sac_order(moments: Sequence[LayerMoment], spec: ModelSpec, dm: Dims,
+                   groups: Mapping[str, int], kept: Sequence[Term]) -> list[LayerMoment]:
+    """Per-op SAC's moments (``compiled.with_attention_backward``'s, their buffer-reuse holds
+    all counted) with the rerun's RoPE moment (``sac_rerun_rope``), the holds Inductor's
+    wrapper keeps, and lpmf's order where Inductor takes it (``with_lpmf_order``).
+
+    The estimates (see the module's docstring): the kept q/k/v output is a freeable graph
+    input sized by its last reader's dependency (``get_freeable_input_buf`` overwrites the
+    size per reader: v's slice, T kv), so the MLP's kernel and the rerun's RoPE count T (q +
+    kv) less; the RoPE fallbacks run after the MLP's kernel (two tables less there) and, at
+    the rerun's RoPE, the table's reshape is still read (three tables: one more). At q's RoPE
+    backward the estimate leaves out dq (``with_sdpa_grad_reuse``) and the three holds: k's
+    fp32 upcast (for dk's) and two T q buffers (SDPA's output gradient and the rerun's RoPE'd
+    q, for the q/k/v input gradient and the norms' backward). The wrapper plans k's first (its
+    allocation comes first), each accepted hold raising the window for the next. Traced: 2 x
+    96 tokens, estimates 2,095,872 B (the MLP's kernel), 2,243,328 (the rerun's RoPE: the
+    peak), 2,151,168 (q's RoPE backward): k's upcast held (+49,152 <= 2,243,328), neither T q
+    buffer (+98,304 > it): the trace's 2,427,648 B at the rerun's RoPE, memplan exact (+5.8%
+    before); 2 x 1,024 all three held (the MLP's kernel far above); 2 x 64 in lpmf's order."""
+    _, q, kv, _, table = _sizes(spec, dm)
+    qkv = sum(t.size_bytes for t in kept if t.name == "sac.attn.qkv")
+    k32 = kv // dm.e * FP32_BYTES
+    rerun = sac_rerun_rope(spec, dm, kept)
+    out = list(moments)
+    if not any(m.name == _ROPE for m in out) or not qkv:
+        return out
+    out.append(type(out[0])(*rerun))
+    kernel = next(m for m in out if m.name == _KERNEL)
+    rope = next(m for m in out if m.name == _ROPE)
+    under = qkv - kv  # the kept q/k/v output, sized as v's slice
+    peak = max(_size(kernel, dm, groups) - under - 2 * table,
+               _size(out[-1], dm, groups) - under + table,
+               _size(rope, dm, groups) - 3 * q - k32)
+    window = _size(rope, dm, groups) - 3 * q - k32
+    dropped = 0 if window + k32 <= peak else k32
+    window += k32 - dropped
+    for _ in range(2):
+        if window + q <= peak:
+            window += q
+        else:
+            dropped += q
+    out = [m._replace(alive_bytes=m.alive_bytes - dropped) if m.name in (_ROPE, _QKV) else m
+           for m in out]
+    lpmf_kernel = _size(kernel, dm, groups) + table
+    return with_lpmf_order(out, spec, dm, groups, peak,
+                           [sac_lpmf_rope(spec, dm, groups, lpmf_kernel, type(out[0]))])
+
+
+def sac_lpmf_rope(spec: ModelSpec, dm: Dims, groups: Mapping[str, int], kernel: int,
+                  moment: type) -> tuple[LayerMoment, int]:
+    """Per-op SAC in lpmf's order (``with_lpmf_order``): q's RoPE backward and Inductor's
+    estimate of it, given ``kernel``, the estimate at lpmf's MLP kernel. Alive beside the
+    input: the output projection's output, the MLP norm's output and statistics, the three
+    T f inputs of the deferred MLP weight gradients, both MLP input gradients, the attention
+    output's gradient, and the output projection's weight gradient, made before; in flight
+    the incoming gradient, the fused q/k/v gradient (one buffer, its dk and dv parts
+    written), q's fp32 upcast and its product, the table's conjugate. The estimate counts
+    the q/k/v gradient's written parts alone (T q less) and none of the wrapper's holds:
+    the SDPA output's gradient and the rerun's RoPE'd q (T q each, for the q/k/v and norm
+    input gradients) and the MLP norm backward's statistics, each held where the window's
+    estimate plus it stays within lpmf's peak. k's fp32 upcast, made before the kernel, is
+    held (or not) for dk's upcast alone: lpmf runs dk's RoPE backward before dq's, so it is
+    freed by then. Traced (Inductor's output code, h 256, f 768): 2 x 88 tokens, estimate
+    1,832,640 B (less the common offset) against lpmf's peak 2,067,648 at the kernel: the
+    three held, 2,171,264 B with the held output, the backward's peak (memplan -1.7%
+    without the moment); 2 x 80 the same holds, below lpmf's end."""
+    th, q, kv, q32, table = _sizes(spec, dm)
+    tf = dm.tokens * spec.ffn_hidden_size * dm.e
+    stats = dm.rows * FP32_BYTES
+    wo = spec.hidden_size * spec.num_attention_heads * spec.head_dim * dm.stream_e
+    transient = th + q + 2 * kv + 2 * q32 + table
+    estimate = 6 * th + 3 * tf + stats + transient + wo - q
+    peak = max(kernel, _size(moment(*mlp_grads_last(spec, dm)), dm, groups), estimate)
+    held = 0
+    for hold in (q, stats, q):
+        held += hold if estimate + held + hold <= peak else 0
+    alive = 6 * th + 3 * tf + stats + held
+    return moment(_ROPE, alive, transient, ("attn_out",)), estimate
+
+
+def with_sac_schedule(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
+                      dm: Dims, rebuilt: Sequence[Term], kept: Sequence[Term],
+                      groups: Mapping[str, int]) -> tuple[LayerMoment, ...]:
+    """Per-op SAC's moments from the full recompute's (``moments``), compiled with the
+    checkpoint inside the graph (``compiled.sac_schedule``): the attention side deferred
+    (``compiled.sac_deferred``), and where the attention's backward was traced
+    (``compiled.rebuilt_attention_schedule``) its moments (``compiled.
+    with_attention_backward``) in Inductor's order (``with_sac_order``)."""
+    moments = compiled.with_attention_backward(compiled.sac_deferred(moments, rebuilt, kept),
+                                               spec, wl, dm, kept)
+    if not compiled.rebuilt_attention_schedule(spec, wl, dm, Recompute.FULL):
+        return moments
+    return tuple(with_sac_order(moments, spec, compiled.rerun_dims(dm), groups, kept))
+
+
+def with_full_ac_order(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
+                       dm: Dims, groups: Mapping[str, int]) -> list[LayerMoment]:
+    """Full AC's moments (the SDPA output gradient's hold decided:
+    ``compiled.with_sdpa_grad_reuse``) in lpmf's order where Inductor takes it
+    (``with_lpmf_order``), for the layer ``compiled.rebuilt_attention_schedule`` traces. The baseline's estimated peak: the MLP's kernel as its
+    moment (the reshape's fallback counted at two tables, the common offset) or q's RoPE
+    backward less dq and the SDPA output's gradient (``compiled.attention_backward_moments``'
+    moment with its hold; ``with_sdpa_grad_reuse``). Traced: 2 x 64, the baseline's estimate
+    1,893,376 B at q's RoPE backward (memplan's 2,139,136 - 2 x 65,536 less the common
+    114,688), lpmf's 1,852,416 at its end: lpmf; 2 x 96 the baseline's 2,342,400 at the MLP's
+    kernel (lpmf does not defer there)."""
+    if not compiled.rebuilt_attention_schedule(spec, wl, dm, Recompute.FULL):
+        return list(moments)
+    dm = compiled.rerun_dims(dm)
+    kernel = next((m for m in moments if m.name == _KERNEL), None)
+    raw = next((m for m in compiled.attention_backward_moments(spec, dm) if m[0] == _ROPE),
+               None)
+    if kernel is None or raw is None:
+        return list(moments)
+    q = _sizes(spec, dm)[1]
+    rope = raw[1] + raw[2] + dm.stream_e * sum(groups[g] for g in raw[3]) - 2 * q
+    return with_lpmf_order(moments, spec, dm, groups, max(_size(kernel, dm, groups), rope))
+
+
+def mlp_grads_last(spec: ModelSpec, dm: Dims) -> tuple[str, int, int, tuple[str, ...]]:
+    """lpmf's order's last kernel, the gate projection's weight gradient: every weight gradient
+    of the layer made, beside the input, the layer's input gradient (a graph output), the MLP
+    norm's output and gate's output gradient (T f), both read by it; in flight the incoming
+    gradient. By hand at 2 x 64 tokens (h 256, f 768): 3 x 65,536 + 196,608 alive, 65,536 in
+    flight, 1,508,352 B of weight gradients: 1,967,104 B, the trace's 1,901,568 with the held
+    output for the input and the incoming gradient, full AC and per-op SAC alike."""
+    th = dm.rows * spec.hidden_size * dm.e
+    tf = dm.tokens * spec.ffn_hidden_size * dm.e
+    return (MLP_GRADS_LAST, 3 * th + tf, th, _ALL_GROUPS)
+
+
+def with_lpmf_order(moments: Sequence[LayerMoment], spec: ModelSpec, dm: Dims,
+                    groups: Mapping[str, int], baseline: int,
+                    extra: Sequence[tuple[LayerMoment, int]] = ()) -> list[LayerMoment]:
+    """``moments`` (the baseline's order, ``baseline`` its estimated peak) in lpmf's order
+    where ``reorder_for_peak_memory`` takes it: where lpmf defers the MLP's weight gradients
+    (``lpmf_defers_mlp_grads``) and its estimated peak is below the baseline's. lpmf runs
+    the RoPE table's fallbacks (no inputs but graph inputs) first, so at its MLP kernel the
+    table's conjugate is made: memplan's moment there is the baseline's plus one table, and
+    so is Inductor's estimate (full AC, traced: 1,569,792 B against 1,561,600 at 2 x 64,
+    2,354,688 against 2,342,400 at 2 x 96). Under per-op SAC lpmf also runs before it the
+    kernels that free graph inputs: the kept q/k/v output and logsumexp become the RoPE'd q
+    and k, v and the logsumexp's copy for SDPA's backward, the same bytes, now counted whole
+    (1,503,744 B at 2 x 64: the moment less the common offset). Its end is
+    ``mlp_grads_last``, whose estimate is its moment. Its attention's backward holds the
+    three T f inputs of the MLP's weight gradients and the MLP norm's output instead of
+    those gradients, 3 f (h - T) - T h elements less than the baseline's, far below its end
+    at 2 x 64 but lpmf's peak nearer the threshold: ``extra``, its moments with their
+    estimates (per-op SAC: ``sac_lpmf_rope``; under full AC not modelled: at 2 x 80 and
+    2 x 88 the kernel's above it, traced). The eager order's moments after the kernel are
+    dropped. Traced (Inductor's log): 2 x 64 full AC, lpmf 1,852,416 B against the
+    baseline's 1,893,376; per-op SAC 1,852,416 against 1,888,768 (the rerun's RoPE): lpmf
+    both, the trace 1,901,568 B, memplan exact (+5.6% and +10.7% before); 2 x 80 and 2 x 88
+    lpmf under both, exact. ``dfs`` (the third sort) ties lpmf at 2 x 64 and ``bfs`` is
+    above both; neither is modelled."""
+    if not lpmf_defers_mlp_grads(spec, dm):
+        return list(moments)
+    end = type(moments[0])(*mlp_grads_last(spec, dm))
+    table = _sizes(spec, dm)[4]
+    first = [m for m in moments if not m.grads_before and m.name != RERUN_ROPE]
+    lpmf = [m._replace(transient_bytes=m.transient_bytes + table) if m.name == _KERNEL else m
+            for m in first] + [end]
+    estimates = [_size(m, dm, groups) for m in lpmf if m.name in (_KERNEL, MLP_GRADS_LAST)]
+    if max(estimates + [e for _, e in extra]) >= baseline:
+        return list(moments)
+    return lpmf + [m for m, _ in extra]
