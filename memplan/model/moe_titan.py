@@ -334,8 +334,7 @@ def compiled_combine_bytes(spec: ModelSpec, dm: Dims) -> int:
     return routed * h * dm.e + routed * FP32_BYTES
 
 
-def compiled_backward(spec: ModelSpec, dm: Dims, saved: int,
-                      shared_moments: list[BackwardMoment], shared: int,
+def compiled_backward(spec: ModelSpec, dm: Dims, saved: int, shared: int,
                       waiting: int) -> list[BackwardMoment]:
     """The compiled block's backward (``memplan.model.compiled.titan_moe_terms``) as
     Inductor orders it (torch/_inductor/memory.py ``reorder_for_peak_memory``, torch 2.13;
@@ -344,30 +343,39 @@ def compiled_backward(spec: ModelSpec, dm: Dims, saved: int,
     - first the routing scores' gradient: the gather of the output's gradient fused into its
       reduction over h with the experts' saved output (two R x 4 B outputs), the whole
       saved set alive; the experts' output (R h x 2) freed after it;
-    - then a shared expert's MLP backward (``shared_moments``, eager order) without it;
+    - then a shared expert's MLP backward (``_compiled_shared``) without it;
     - then the routed experts' MLP backward from their gathered, weighted output gradient
-      (R h x 2), the shared terms freed, their input's gradient ``waiting``.
+      (R h x 2): without a shared expert in Inductor's order (``_compiled_routed``: the
+      router's fp32 input copy freed before it, the router's input gradient made before or
+      after it by lpmf's rule, ``router_grad_first``, the routed input gradient written into
+      the saved zeros); with one in the eager order's moments (``mlp.backward_moments``),
+      the shared terms freed, their input's gradient ``waiting``.
 
     Traced (tests/traced/test_compile_trace.py, one kernel per scheduler node as a GPU
-    launches them; the peaks located by replaying the wrapper's allocations and frees): with
-    a shared expert, 2 x 256 tokens the first moment, exact; 2 x 64 the experts' input
-    projections (``mlp_in``), 2,064 B under (-0.24%); 2 x 128 +2.35%, with a 256-wide
-    shared expert -0.74%; without, 2 x 64 the same moment, 2,064 B under. The routed
-    experts' moments are the eager order's (``mlp.backward_moments``): in Inductor's the
-    router's fp32 input copy is freed before them, its input gradient made before them
-    with a shared expert and after them without, and the routed input gradient is written
-    into the saved zeros (``index_put`` in place): not modelled, so without a shared expert
-    at 2 x 256 the experts' ``mlp`` moment is 188,416 B over the traced peak (the first
-    moment, 2,361,360 B: +8.0%; the eager order's moments +18.9%). The C++ backend's
-    kernel groups instead hold the MoE's input gradients through the attention's backward
-    (the ffn norm's backward sum recomputed in the block's last kernel): no GPU schedule."""
+    launches them; the peaks located by replaying the wrapper's allocations and frees):
+    without a shared expert, 2 x 64 tokens w3's input gradient (``mlp_in``), exact; 2 x
+    256 the first moment, exact; 2 x 128 the attention's backward (1,192,960 B), memplan
+    the first moment 11,248 B under (-0.94%): there the MoE's input gradients (the routed,
+    in the combine's zeros, T h x 2, and the router's fp32, T h x 4: 196,608 B) wait for
+    the block's last kernel (the ffn norm's weight gradient fused with the attention
+    norm's), and memplan's attention moment is 328,448 B under the traced one (the rest not
+    located). The eager order's experts' moments were +9.7% there, +8.0% at 2 x 256 and
+    2,064 B under at 2 x 64. With a shared expert, 2 x 256 the
+    first moment, exact; 2 x 64 the experts' input projections (``mlp_in``), 2,064 B under
+    (-0.24%); 2 x 128 +2.35%, with a 256-wide shared expert -0.74%: there the routed
+    experts' moments are the eager order's (in Inductor's the router's fp32 input copy is
+    freed before them, its input gradient made before them, and the routed input gradient
+    written into the saved zeros: not modelled). The C++ backend's kernel groups instead
+    hold the MoE's input gradients through the attention's backward too: no GPU
+    schedule."""
     moe, h = _moe(spec), spec.hidden_size
     routed = dm.tokens * moe.top_k
     ex = dm.experts()._replace(e=EXPERT_BYTES)
     out = routed * h * EXPERT_BYTES
     first = [BackwardMoment("moe_scores_grad", saved, 2 * routed * FP32_BYTES, ())]
-    if shared:
-        shared_moments = _compiled_shared(spec, dm, saved - out)
+    if not shared:
+        return first + _compiled_routed(spec, dm, saved)
+    shared_moments = _compiled_shared(spec, dm, saved - out)
     experts = mlp.backward_moments(
         spec, ex, saved=saved, freed=shared + out, run_tokens=routed,
         ffn=moe.expert_ffn_hidden_size,
@@ -400,3 +408,107 @@ def _compiled_shared(spec: ModelSpec, dm: Dims, alive: int) -> list[BackwardMome
             BackwardMoment("moe_shared_in", rest, max(inner, stream) + stream,
                            ("moe_shared",))]
 
+
+
+def router_grad_first(spec: ModelSpec, dm: Dims) -> bool:
+    """Whether, in the compiled block's backward without a shared expert, the router's input
+    gradient (its fp32 mm, T h x 4, reading the softmax's gradient, T E x 4, and the gate's
+    fp32 weight copy, E h x 4, their last reader) is made before the routed experts' MLP
+    backward. Inductor's order is ``topological_sort_lpmf``'s (torch/_inductor/memory.py
+    ``reorder_for_peak_memory``: the order of the lowest estimated peak; lpmf's was at 2 x
+    64, 2 x 128 and 2 x 256 tokens, its log at INFO): of the ready nodes whose output fits
+    under the peak so far it takes the one of least output bytes less bytes freed (both
+    fit here: the experts' output, R h x 2, and the router's fp32 input, T h x 4, were freed
+    just before), ties to the node first in the graph, the experts' gather. Against the
+    router's mm (T h x 4 - T E x 4 - E h x 4) stands the gather of the output's gradient
+    into the experts' rows (``LocalTokenDispatcher.combine``'s backward: R h x 2, weighted
+    by the recomputed top-k scores, R x 4, which it frees with the sort index, R x 8).
+    Traced (torchtitan 0.3.0's Qwen3 MoE block, h 128, E 4, k 2): at T = 128 1,024 B less
+    for the router, first; at T = 256 a tie, at T = 512 2,048 B more: after."""
+    moe, h = _moe(spec), spec.hidden_size
+    routed = dm.tokens * moe.top_k
+    weight = moe.num_experts * h * FP32_BYTES if dm.e < FP32_BYTES else 0
+    router = dm.tokens * (h - moe.num_experts) * FP32_BYTES - weight
+    return router < routed * h * EXPERT_BYTES - routed * (INDEX_BYTES + FP32_BYTES)
+
+
+def _compiled_routed(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
+    """The routed experts' backward in the compiled block without a shared expert
+    (``compiled_backward``), as Inductor's wrapper code runs it (one kernel per scheduler
+    node; torchtitan 0.3.0's Qwen3 MoE block, bf16), ``saved`` the block's saved set
+    (``memplan.model.compiled.titan_moe_terms``), R = T k rows, f the experts' width:
+
+    - freed before the experts (``base``): the experts' bf16 output (R h x 2, after the
+      scores' gradient), the expert ids (R x 8, by the scores' scatter backward), the gate's
+      fp32 input copy (T h x 4, by its weight gradient's mm, the router's first node: lpmf
+      takes it first, it frees more than it makes) and the sort index (R x 8, by the gather
+      of the output's gradient); the fp32 logits' slot (T E x 4) holds the softmax's
+      gradient; the router's input gradient (T h x 4) made first where
+      ``router_grad_first``, the softmax's gradient and the gate's fp32 weight copy (E h x
+      4) freed then (else after the experts' last node: their input gradient's add);
+    - ``mlp``: the w2 grouped matmuls from the gathered, weighted output gradient (R h x 2):
+      the product's gradient (R f x 2) and w2's weight gradient, the product (saved, R f x
+      2) freed after the later; lpmf ran the product's gradient first at 2 x 64 (so both
+      beside the product: the moment counted), the weight gradient first at 2 x 128 and
+      2 x 256 (the product freed before the product's gradient: R f x 2 under it);
+    - ``mlp_act``: the SiLU backward kernel, the gate's output gradient new (R f x 2) beside
+      the product's, the up output's gradient written into the saved up output (Inductor's
+      in-place reuse of a buffer whose last reader it is: torch/_inductor/scheduler.py
+      ``BaseSchedulerNode.decide_inplace_update``), the rows' gradient and the product freed;
+    - ``mlp_in_gate``, ``mlp_in``: w1's and w3's weight gradients, then their input
+      gradients (R h x 2 each), the gathered rows (R h x 2) freed after the weight
+      gradients and the gate's output (R f x 2) after the SiLU kernel; at w1's the gate's
+      output gradient (R f x 2) beside it, at w3's w1's input gradient (freed after the
+      add); both written by one kernel into the saved ``zeros_like(x)`` (``index_put``
+      with accumulate into the combine's zeros, in place: ``decide_inplace_update``), no
+      new T h tensor.
+
+    Not counted: Inductor's wrapper keeps a freed buffer for a later one of the same key
+    (size, dtype) where that raises no peak of its own estimate (torch/_inductor/codegen/
+    wrapper.py ``AllocateLine.should_reuse_buffer``), which can raise a moment under the
+    block's peak (at 2 x 128 the gate's output gradient, R f x 2, kept for the attention's
+    output gradient: w3's input gradient's moment 65,536 B over ``mlp_in``, 1,170,448 B,
+    under the traced peak); the router's small kernels (T E x 4, R x 4 each; the experts'
+    output freed by then); at ``mlp`` and ``mlp_act`` the router's weight gradient (E h,
+    made before; its group is the block's, ``mlp``). By hand, 2 x 64 tokens (T 128, R 256,
+    h 128, f 64, E 4, bf16): saved 589,840; ``base`` 589,840 - 65,536 (output) - 2 x 2,048
+    (ids, sort) - 65,536 (fp32 input) = 454,672; the router's gradient first (128 x 124 x
+    4 - 2,048 = 61,440 against 65,536 - 256 x 12 = 62,464): + 65,536 - 2,048 (logits'
+    gradient) - 2,048 (weight copy) = 516,112; ``mlp_in``: less the gate's output and the
+    product (2 x 32,768) and the rows (65,536), 385,040, beside w1's and w3's input
+    gradients (2 x 65,536) and every weight gradient (the router's 1,024, w1, w2 and w3 3 x
+    65,536): 713,744, traced 713,744. 2 x 256 (T 512, R 1,024): the router's gradient after
+    (2,048 B more), ``mlp_in`` 2,353,168 - 262,144 - 2 x 8,192 - 262,144 - 2 x 131,072 -
+    262,144 + 2 x 262,144 + 197,632 = 2,010,128, under the first moment (2,361,360)."""
+    moe, h = _moe(spec), spec.hidden_size
+    routed = dm.tokens * moe.top_k
+    f = moe.expert_ffn_hidden_size // dm.experts().tp
+    rows, inner = routed * h * EXPERT_BYTES, routed * f * EXPERT_BYTES
+    below = dm.e < FP32_BYTES  # the gate's fp32 copies (``titan_terms``)
+    router_in = dm.tokens * h * FP32_BYTES if below else 0
+    base = saved - rows - 2 * routed * INDEX_BYTES - router_in
+    first = router_grad_first(spec, dm)
+    if first:
+        weight = moe.num_experts * h * FP32_BYTES if below else 0
+        base += dm.tokens * (h - moe.num_experts) * FP32_BYTES - weight
+    down = moe.num_experts // dm.ep * f * h * EXPERT_BYTES  # w2's weight gradient
+    product = 0 if _product_grad_first(inner, down, first) else inner  # freed before
+    inputs = base - 2 * inner - rows  # the product, the gate's output and the rows freed
+    return [BackwardMoment("mlp", base - product, rows + inner, ("mlp_out",)),
+            BackwardMoment("mlp_act", base - inner, 2 * inner, ("mlp_out",)),
+            BackwardMoment("mlp_in_gate", inputs, inner + rows, ("mlp",)),
+            BackwardMoment("mlp_in", inputs, 2 * rows, ("mlp",))]
+
+
+def _product_grad_first(inner: int, weight: int, router_first: bool) -> bool:
+    """Whether lpmf (``router_grad_first``) runs w2's input gradient (the product's, ``inner``
+    bytes, freeing nothing: the rows' gradient has a second reader) before w2's weight
+    gradient (``weight`` bytes, freeing the saved product, ``inner``); ties go to the
+    weight gradient, first in the graph. Where the router's input gradient ran first it
+    took what the freed tensors left under the peak so far, neither fits and lpmf takes
+    the smaller output; else both fit and it takes the least output less freed (traced:
+    the product's gradient first at 2 x 64 tokens, 32,768 B against 65,536; the weight's
+    at 2 x 128 and 2 x 256, 0 and -65,536 B against 65,536 and 131,072)."""
+    if router_first:
+        return inner < weight
+    return inner < weight - inner

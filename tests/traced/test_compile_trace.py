@@ -1251,9 +1251,10 @@ def test_compiled_titan_moe_block_phase_peaks() -> None:
     threads 656,400, exact (pinned: with one, the C++ kernels' forward is 512 B lower,
     655,888; torch 2.13). Its backward (the same with one and two threads), one kernel per
     scheduler node as a GPU launches them (``moe_titan.compiled_backward``: the scores'
-    gradient first, then the experts' MLP): traced 713,744 B at the experts' input
-    projections (located by replaying Inductor's wrapper code), memplan 2,064 under
-    (-0.29%). The C++ backend's kernel groups (``kernel_per_node=False``) peak in the
+    gradient first, then the router's, then the experts' MLP in Inductor's order,
+    ``moe_titan._compiled_routed``): traced 713,744 B at w3's input gradient (located by
+    replaying Inductor's wrapper code), memplan exact (the eager order's moments were
+    2,064 B under). The C++ backend's kernel groups (``kernel_per_node=False``) peak in the
     attention's backward instead (729,984 B), the MoE's input gradients held there: no GPU
     schedule."""
     import torch
@@ -1271,7 +1272,59 @@ def test_compiled_titan_moe_block_phase_peaks() -> None:
         torch.set_num_threads(before)
     assert traced_forward == 656_400 and traced_backward == 713_744
     assert kind.forward_peak_bytes - stream == traced_forward
-    assert _model_backward(kind, groups, 2) - stream - traced_backward == -2_064
+    assert _model_backward(kind, groups, 2) - stream - traced_backward == 0
+
+
+@pytest.mark.parametrize("seq,saved,forward,over,backward,diff", [
+    (128, 1_177_616, 1_309_712, 1_024, 1_192_960, -11_248),
+    (256, 2_353_168, 2_616_336, 3_072, 2_361_360, 0)])
+def test_compiled_titan_moe_block_without_a_shared_expert(seq: int, saved: int, forward: int,
+                                                          over: int, backward: int,
+                                                          diff: int) -> None:
+    """torchtitan's MoE block with routed experts alone compiled whole at 2 x 128 and 2 x 256
+    tokens (2 x 64: ``test_compiled_titan_moe_block_phase_peaks``), one kernel per
+    scheduler node, GPU realization, two intra-op threads. Saved exact
+    (``compiled.titan_moe_terms``). Forward (traced, pinned): memplan 1,024 and 3,072 B over
+    (the combine's moment, ``moe_titan.compiled_combine_bytes``; not located). Backward in
+    Inductor's lpmf order (``moe_titan._compiled_routed``; located by replaying the
+    wrapper code): the router's input gradient after the routed experts'
+    (``moe_titan.router_grad_first``: a tie at 2 x 128, 2,048 B more at 2 x 256), w2's
+    weight gradient before the product's gradient. 2 x 256: the first moment, the scores'
+    gradient beside the whole saved set (2,353,168 + 2 x 4,096), exact (the eager order's
+    experts' moments were 188,416 B over). 2 x 128: the traced peak is the attention's
+    backward (its three input gradients beside the MoE's input gradients, which wait for
+    the ffn norm's weight gradient fused into the block's last kernel), memplan's the first
+    moment (1,177,616 + 2 x 2,048 = 1,181,712), 11,248 B under (-0.94%; the eager order's
+    moments were 115,728 B over)."""
+    import torch
+
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from memplan.profile.compiled_trace import compiled_layer_step
+    from memplan.profile.frameworks import torchtitan_moe_config, torchtitan_moe_spec
+
+    spec = torchtitan_moe_spec(torchtitan_moe_config(**TITAN_MOE["torchtitan_moe"],
+                                                     seq_len=seq), "qwen3-moe-toy")
+    wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="bf16-pure", compile=True,
+                  moe_impl="titan", framework="torchtitan", rope_cache="layer-cossin")
+    validate(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, Dims.of(spec, ParallelConfig(), wl), True, Recompute.NONE)
+    stream = BATCH * seq * 128 * 2
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the traced forward follows the thread count
+    try:
+        traced, traced_forward, traced_backward = compiled_layer_step(
+            TITAN_MOE, "bfloat16", BATCH, seq, gpu_realize=True)
+    finally:
+        torch.set_num_threads(before)
+    activations = sum(t.size_bytes for t in traced
+                      if not t.graph_input or t.shape == (BATCH, seq, 128))
+    assert activations == kind.saved_bytes == saved
+    assert traced_forward == forward
+    assert kind.forward_peak_bytes - stream - forward == over
+    groups = grad_group_params(spec, 1, 1, True)
+    assert traced_backward == backward
+    assert _model_backward(kind, groups, 2) - stream - traced_backward == diff
 
 
 @pytest.mark.parametrize("config,dtype,cache_dtype,cache_bytes", [

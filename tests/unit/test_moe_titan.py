@@ -205,6 +205,37 @@ def test_compiled_shared_expert_saved_set_and_forward() -> None:
     assert backward[1][:3] == ("moe_shared_act", 500_752, 98_304)
 
 
+def test_compiled_routed_experts_backward_in_inductors_order() -> None:
+    """torchtitan's compiled block without a shared expert (tiny-moe, bf16, saved 541,712),
+    its routed experts' backward as Inductor's lpmf order runs it
+    (``moe_titan._compiled_routed``). Freed before the experts: their output (R h x 2 =
+    65,536), the expert ids and the sort index (2 x R x 8 = 8,192) and the gate's fp32 input
+    copy (T h x 4 = 65,536): 402,448 left. The router's input gradient after the experts
+    (``router_grad_first``: T (h - E) x 4 - E h x 4 = 61,440 - 1,024 = 60,416 against the
+    gather's R h x 2 - R x 12 = 65,536 - 6,144 = 59,392). w2's weight gradient (E f h x 2
+    = 49,152, freeing the product, R f x 2 = 98,304) before the product's gradient (98,304
+    B, freeing nothing): -49,152 < 98,304; so at the product's gradient 402,448 - 98,304 =
+    304,144 alive beside the rows' gradient (R h x 2 = 65,536) and its own (98,304). The
+    SiLU backward: the gate's output gradient (98,304) beside the product's. The input
+    gradients: the gate's output, the product and the rows freed (304,144 - 98,304 -
+    65,536 = 140,304), beside the gate's output gradient and w1's input gradient (98,304 +
+    65,536), then w1's and w3's (2 x 65,536), written into the combine's zeros (saved):
+    no T h tensor of their own."""
+    from memplan.parallel import validate
+
+    spec, wl, _ = _setup()
+    compiled = wl.model_copy(update={"compile": True})
+    validate(spec, make_layout(1), compiled)
+    dm = Dims.of(spec, make_layout(1), compiled)
+    backward = MoE().backward_moments(spec, compiled, dm, compiled.recompute)
+    assert [m[:4] for m in backward] == [
+        ("moe_scores_grad", 541_712, 4_096, ()),
+        ("mlp", 304_144, 163_840, ("mlp_out",)),
+        ("mlp_act", 304_144, 196_608, ("mlp_out",)),
+        ("mlp_in_gate", 140_304, 163_840, ("mlp",)),
+        ("mlp_in", 140_304, 131_072, ("mlp",))]
+
+
 def test_split_gate_up_holds_three_stacked_tensors() -> None:
     """torchtitan's GroupedExperts (``MoESpec.split_gate_up``): w1 (E, f, h), w2 (E, h, f)
     and w3 (E, f, h), three tensors where transformers' stacked experts hold gate_up (E, 2f,
