@@ -438,14 +438,7 @@ def _compiled_routed(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMome
     node; torchtitan 0.3.0's Qwen3 MoE block, bf16), ``saved`` the block's saved set
     (``memplan.model.compiled.titan_moe_terms``), R = T k rows, f the experts' width:
 
-    - freed before the experts (``base``): the experts' bf16 output (R h x 2, after the
-      scores' gradient), the expert ids (R x 8, by the scores' scatter backward), the gate's
-      fp32 input copy (T h x 4, by its weight gradient's mm, the router's first node: lpmf
-      takes it first, it frees more than it makes) and the sort index (R x 8, by the gather
-      of the output's gradient); the fp32 logits' slot (T E x 4) holds the softmax's
-      gradient; the router's input gradient (T h x 4) made first where
-      ``router_grad_first``, the softmax's gradient and the gate's fp32 weight copy (E h x
-      4) freed then (else after the experts' last node: their input gradient's add);
+    - ``_routed_base``: of the saved set, what is left when they start;
     - ``mlp``: the w2 grouped matmuls from the gathered, weighted output gradient (R h x 2):
       the product's gradient (R f x 2) and w2's weight gradient, the product (saved, R f x
       2) freed after the later; lpmf ran the product's gradient first at 2 x 64 (so both
@@ -471,10 +464,7 @@ def _compiled_routed(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMome
     under the traced peak); the router's small kernels (T E x 4, R x 4 each; the experts'
     output freed by then); at ``mlp`` and ``mlp_act`` the router's weight gradient (E h,
     made before; its group is the block's, ``mlp``). By hand, 2 x 64 tokens (T 128, R 256,
-    h 128, f 64, E 4, bf16): saved 589,840; ``base`` 589,840 - 65,536 (output) - 2 x 2,048
-    (ids, sort) - 65,536 (fp32 input) = 454,672; the router's gradient first (128 x 124 x
-    4 - 2,048 = 61,440 against 65,536 - 256 x 12 = 62,464): + 65,536 - 2,048 (logits'
-    gradient) - 2,048 (weight copy) = 516,112; ``mlp_in``: less the gate's output and the
+    h 128, f 64, E 4, bf16): ``_routed_base`` 516,112; ``mlp_in``: less the gate's output and the
     product (2 x 32,768) and the rows (65,536), 385,040, beside w1's and w3's input
     gradients (2 x 65,536) and every weight gradient (the router's 1,024, w1, w2 and w3 3 x
     65,536): 713,744, traced 713,744. 2 x 256 (T 512, R 1,024): the router's gradient after
@@ -484,20 +474,40 @@ def _compiled_routed(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMome
     routed = dm.tokens * moe.top_k
     f = moe.expert_ffn_hidden_size // dm.experts().tp
     rows, inner = routed * h * EXPERT_BYTES, routed * f * EXPERT_BYTES
-    below = dm.e < FP32_BYTES  # the gate's fp32 copies (``titan_terms``)
-    router_in = dm.tokens * h * FP32_BYTES if below else 0
-    base = saved - rows - 2 * routed * INDEX_BYTES - router_in
-    first = router_grad_first(spec, dm)
-    if first:
-        weight = moe.num_experts * h * FP32_BYTES if below else 0
-        base += dm.tokens * (h - moe.num_experts) * FP32_BYTES - weight
+    base = _routed_base(spec, dm, saved)
     down = moe.num_experts // dm.ep * f * h * EXPERT_BYTES  # w2's weight gradient
+    first = router_grad_first(spec, dm)
     product = 0 if _product_grad_first(inner, down, first) else inner  # freed before
     inputs = base - 2 * inner - rows  # the product, the gate's output and the rows freed
     return [BackwardMoment("mlp", base - product, rows + inner, ("mlp_out",)),
             BackwardMoment("mlp_act", base - inner, 2 * inner, ("mlp_out",)),
             BackwardMoment("mlp_in_gate", inputs, inner + rows, ("mlp",)),
             BackwardMoment("mlp_in", inputs, 2 * rows, ("mlp",))]
+
+
+def _routed_base(spec: ModelSpec, dm: Dims, saved: int) -> int:
+    """Of the compiled block's saved set (``saved``), what is alive when the routed experts'
+    backward starts (``_compiled_routed``), without a shared expert: freed, the experts'
+    bf16 output (R h x 2, after the scores' gradient), the expert ids (R x 8, by the scores'
+    scatter backward), the gate's fp32 input copy (T h x 4, by its weight gradient's mm:
+    lpmf takes that node first, it frees more than it makes) and the sort index (R x 8, by
+    the gather of the output's gradient); the fp32 logits' slot (T E x 4) holds the
+    softmax's gradient. Where ``router_grad_first`` the router's input gradient (T h x 4)
+    is made before them, the softmax's gradient and the gate's fp32 weight copy (E h x 4)
+    freed then (else after the experts' last node, their input gradients' add). By hand, 2
+    x 64 tokens (T 128, R 256, h 128, E 4, bf16): 589,840 - 65,536 (output) - 2 x 2,048
+    (ids, sort) - 65,536 (fp32 input) = 454,672; the router's gradient first (128 x 124 x 4
+    - 2,048 = 61,440 against 65,536 - 256 x 12 = 62,464): + 65,536 - 2,048 - 2,048 =
+    516,112."""
+    moe, h = _moe(spec), spec.hidden_size
+    routed = dm.tokens * moe.top_k
+    below = dm.e < FP32_BYTES  # the gate's fp32 copies (``titan_terms``)
+    router_in = dm.tokens * h * FP32_BYTES if below else 0
+    base = saved - routed * h * EXPERT_BYTES - 2 * routed * INDEX_BYTES - router_in
+    if router_grad_first(spec, dm):
+        weight = moe.num_experts * h * FP32_BYTES if below else 0
+        base += dm.tokens * (h - moe.num_experts) * FP32_BYTES - weight
+    return base
 
 
 def _product_grad_first(inner: int, weight: int, router_first: bool) -> bool:
