@@ -1089,10 +1089,10 @@ def _titan_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMomen
     spec = moe_titan.titan_spec(spec)
     routed = dm.tokens * moe.top_k
     ex = dm.experts()._replace(e=moe_titan.EXPERT_BYTES)
+    if dm.compiled:
+        return moe_titan.compiled_backward(spec, dm, saved)
     shared, waiting = _shared_ran_first(spec, dm)
     shared += moe_titan.shared_input_freed(spec, dm)
-    if dm.compiled:
-        return moe_titan.compiled_backward(spec, dm, saved, shared, waiting)
     combine = [BackwardMoment(name, saved - shared, size + waiting, rerun_freed=freed)
                for name, size, freed in moe_titan.combine_backward(spec, dm)]
     if shared:

@@ -334,8 +334,7 @@ def compiled_combine_bytes(spec: ModelSpec, dm: Dims) -> int:
     return routed * h * dm.e + routed * FP32_BYTES
 
 
-def compiled_backward(spec: ModelSpec, dm: Dims, saved: int, shared: int,
-                      waiting: int) -> list[BackwardMoment]:
+def compiled_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
     """The compiled block's backward (``memplan.model.compiled.titan_moe_terms``) as
     Inductor orders it (torch/_inductor/memory.py ``reorder_for_peak_memory``, torch 2.13;
     replayed from its wrapper code, torchtitan 0.3.0's Qwen3 MoE block, bf16):
@@ -345,11 +344,11 @@ def compiled_backward(spec: ModelSpec, dm: Dims, saved: int, shared: int,
       saved set alive; the experts' output (R h x 2) freed after it;
     - then a shared expert's MLP backward (``_compiled_shared``) without it;
     - then the routed experts' MLP backward from their gathered, weighted output gradient
-      (R h x 2): without a shared expert in Inductor's order (``_compiled_routed``: the
-      router's fp32 input copy freed before it, the router's input gradient made before or
-      after it by lpmf's rule, ``router_grad_first``, the routed input gradient written into
-      the saved zeros); with one in the eager order's moments (``mlp.backward_moments``),
-      the shared terms freed, their input's gradient ``waiting``.
+      (R h x 2) in Inductor's order (``_compiled_routed``: the router's fp32 input copy
+      freed before it, the router's input gradient made before or after it by lpmf's rule,
+      ``router_grad_first``, the routed input gradient written into the saved zeros); with
+      a shared expert its saved terms and input freed by then, its two input gradients (T h
+      x 2 each) waiting.
 
     Traced (tests/traced/test_compile_trace.py, one kernel per scheduler node as a GPU
     launches them; the peaks located by replaying the wrapper's allocations and frees):
@@ -360,30 +359,26 @@ def compiled_backward(spec: ModelSpec, dm: Dims, saved: int, shared: int,
     the block's last kernel (the ffn norm's weight gradient fused with the attention
     norm's), and memplan's attention moment is 328,448 B under the traced one (the rest not
     located). The eager order's experts' moments were +9.7% there, +8.0% at 2 x 256 and
-    2,064 B under at 2 x 64. With a shared expert, 2 x 256 the
-    first moment, exact; 2 x 64 the experts' input projections (``mlp_in``), 2,064 B under
-    (-0.24%); 2 x 128 +2.35%, with a 256-wide shared expert -0.74%: there the routed
-    experts' moments are the eager order's (in Inductor's the router's fp32 input copy is
-    freed before them, its input gradient made before them, and the routed input gradient
-    written into the saved zeros: not modelled). The C++ backend's kernel groups instead
-    hold the MoE's input gradients through the attention's backward too: no GPU
-    schedule."""
+    2,064 B under at 2 x 64. With a shared expert of width 96: 2 x 64 w3's input gradient,
+    exact; 2 x 256 the first moment, exact; 2 x 128 the attention's backward again
+    (1,397,760 B), memplan the first moment 3,056 B under (-0.22%); with a 256-wide shared
+    expert at 2 x 128 memplan the first moment, 12,272 B under (-0.74%) (the eager order's
+    experts' moments were 2,064 B under, exact, +2.35% and -0.74%). The C++ backend's
+    kernel groups instead hold the MoE's input gradients through the attention's backward
+    too: no GPU schedule."""
     moe, h = _moe(spec), spec.hidden_size
     routed = dm.tokens * moe.top_k
-    ex = dm.experts()._replace(e=EXPERT_BYTES)
-    out = routed * h * EXPERT_BYTES
     first = [BackwardMoment("moe_scores_grad", saved, 2 * routed * FP32_BYTES, ())]
-    if not shared:
-        return first + _compiled_routed(spec, dm, saved)
-    shared_moments = _compiled_shared(spec, dm, saved - out)
-    experts = mlp.backward_moments(
-        spec, ex, saved=saved, freed=shared + out, run_tokens=routed,
-        ffn=moe.expert_ffn_hidden_size,
-        grad_inputs=2 * routed * h * ex.e + dm.rows * h * dm.e + waiting, fresh=0,
-        out_grad=routed * h * ex.e, in_saved=routed * h * ex.e)
-    experts = [m._replace(transient_bytes=m.transient_bytes + waiting)
-               if m.name in ("mlp", "mlp_act") else m for m in experts]
-    return first + shared_moments + experts
+    if not moe.num_shared_experts:
+        return first + _compiled_routed(spec, dm, saved, 0)
+    shared = _compiled_shared(spec, dm, saved - routed * h * EXPERT_BYTES)
+    # its saved w1 and w3 outputs and their product (SiLU recomputed: ``compiled.
+    # titan_moe_terms``) and, below fp32, its input, freed by its backward; its two input
+    # gradients (T h each, not summed: the ffn norm's backward kernel reads both) wait
+    f = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size // dm.tp
+    freed = 3 * dm.tokens * f * dm.e + shared_input_freed(spec, dm)
+    return first + shared + _compiled_routed(spec, dm, saved - freed,
+                                             2 * dm.rows * h * dm.e)
 
 
 def _compiled_shared(spec: ModelSpec, dm: Dims, alive: int) -> list[BackwardMoment]:
@@ -411,10 +406,10 @@ def _compiled_shared(spec: ModelSpec, dm: Dims, alive: int) -> list[BackwardMome
 
 
 def router_grad_first(spec: ModelSpec, dm: Dims) -> bool:
-    """Whether, in the compiled block's backward without a shared expert, the router's input
-    gradient (its fp32 mm, T h x 4, reading the softmax's gradient, T E x 4, and the gate's
-    fp32 weight copy, E h x 4, their last reader) is made before the routed experts' MLP
-    backward. Inductor's order is ``topological_sort_lpmf``'s (torch/_inductor/memory.py
+    """Whether, in the compiled block's backward, the router's input gradient (its fp32 mm,
+    T h x 4, reading the softmax's gradient, T E x 4, and the gate's fp32 weight copy, E h
+    x 4, their last reader) is made before the routed experts' MLP backward. Inductor's
+    order is ``topological_sort_lpmf``'s (torch/_inductor/memory.py
     ``reorder_for_peak_memory``: the order of the lowest estimated peak; lpmf's was at 2 x
     64, 2 x 128 and 2 x 256 tokens, its log at INFO): of the ready nodes whose output fits
     under the peak so far it takes the one of least output bytes less bytes freed (both
@@ -424,7 +419,8 @@ def router_grad_first(spec: ModelSpec, dm: Dims) -> bool:
     into the experts' rows (``LocalTokenDispatcher.combine``'s backward: R h x 2, weighted
     by the recomputed top-k scores, R x 4, which it frees with the sort index, R x 8).
     Traced (torchtitan 0.3.0's Qwen3 MoE block, h 128, E 4, k 2): at T = 128 1,024 B less
-    for the router, first; at T = 256 a tie, at T = 512 2,048 B more: after."""
+    for the router, first; at T = 256 a tie, at T = 512 2,048 B more: after; the same with a
+    shared expert (its backward before both) at T = 128 and 256."""
     moe, h = _moe(spec), spec.hidden_size
     routed = dm.tokens * moe.top_k
     weight = moe.num_experts * h * FP32_BYTES if dm.e < FP32_BYTES else 0
@@ -432,11 +428,13 @@ def router_grad_first(spec: ModelSpec, dm: Dims) -> bool:
     return router < routed * h * EXPERT_BYTES - routed * (INDEX_BYTES + FP32_BYTES)
 
 
-def _compiled_routed(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
-    """The routed experts' backward in the compiled block without a shared expert
-    (``compiled_backward``), as Inductor's wrapper code runs it (one kernel per scheduler
-    node; torchtitan 0.3.0's Qwen3 MoE block, bf16), ``saved`` the block's saved set
-    (``memplan.model.compiled.titan_moe_terms``), R = T k rows, f the experts' width:
+def _compiled_routed(spec: ModelSpec, dm: Dims, saved: int,
+                     waiting: int) -> list[BackwardMoment]:
+    """The routed experts' backward in the compiled block (``compiled_backward``), as
+    Inductor's wrapper code runs it (one kernel per scheduler node; torchtitan 0.3.0's Qwen3
+    MoE block, bf16), ``saved`` the block's saved set (``memplan.model.compiled.
+    titan_moe_terms``) less a shared expert's freed terms, ``waiting`` its input gradients
+    (beside every moment), R = T k rows, f the experts' width:
 
     - ``_routed_base``: of the saved set, what is left when they start;
     - ``mlp``: the w2 grouped matmuls from the gathered, weighted output gradient (R h x 2):
@@ -464,8 +462,8 @@ def _compiled_routed(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMome
     under the traced peak); the router's small kernels (T E x 4, R x 4 each; the experts'
     output freed by then); at ``mlp`` and ``mlp_act`` the router's weight gradient (E h,
     made before; its group is the block's, ``mlp``). By hand, 2 x 64 tokens (T 128, R 256,
-    h 128, f 64, E 4, bf16): ``_routed_base`` 516,112; ``mlp_in``: less the gate's output and the
-    product (2 x 32,768) and the rows (65,536), 385,040, beside w1's and w3's input
+    h 128, f 64, E 4, bf16): ``_routed_base`` 516,112; ``mlp_in``: less the gate's output
+    and the product (2 x 32,768) and the rows (65,536), 385,040, beside w1's and w3's input
     gradients (2 x 65,536) and every weight gradient (the router's 1,024, w1, w2 and w3 3 x
     65,536): 713,744, traced 713,744. 2 x 256 (T 512, R 1,024): the router's gradient after
     (2,048 B more), ``mlp_in`` 2,353,168 - 262,144 - 2 x 8,192 - 262,144 - 2 x 131,072 -
@@ -479,15 +477,16 @@ def _compiled_routed(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMome
     first = router_grad_first(spec, dm)
     product = 0 if _product_grad_first(inner, down, first) else inner  # freed before
     inputs = base - 2 * inner - rows  # the product, the gate's output and the rows freed
-    return [BackwardMoment("mlp", base - product, rows + inner, ("mlp_out",)),
-            BackwardMoment("mlp_act", base - inner, 2 * inner, ("mlp_out",)),
-            BackwardMoment("mlp_in_gate", inputs, inner + rows, ("mlp",)),
-            BackwardMoment("mlp_in", inputs, 2 * rows, ("mlp",))]
+    return [BackwardMoment("mlp", base - product, waiting + rows + inner, ("mlp_out",)),
+            BackwardMoment("mlp_act", base - inner, waiting + 2 * inner, ("mlp_out",)),
+            BackwardMoment("mlp_in_gate", inputs, waiting + inner + rows, ("mlp",)),
+            BackwardMoment("mlp_in", inputs, waiting + 2 * rows, ("mlp",))]
 
 
 def _routed_base(spec: ModelSpec, dm: Dims, saved: int) -> int:
     """Of the compiled block's saved set (``saved``), what is alive when the routed experts'
-    backward starts (``_compiled_routed``), without a shared expert: freed, the experts'
+    backward starts (``_compiled_routed``; with a shared expert, of what its backward
+    left): freed, the experts'
     bf16 output (R h x 2, after the scores' gradient), the expert ids (R x 8, by the scores'
     scatter backward), the gate's fp32 input copy (T h x 4, by its weight gradient's mm:
     lpmf takes that node first, it frees more than it makes) and the sort index (R x 8, by

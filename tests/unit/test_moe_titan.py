@@ -184,7 +184,12 @@ def test_compiled_shared_expert_saved_set_and_forward() -> None:
     65,536), its product (T f x 2 = 49,152) and the router's tensors its backward freed
     (the fp32 input copy T h x 4 = 65,536, the logits T E x 4 = 4,096, the expert ids T k x
     8 = 4,096): 689,168 - 65,536 - 49,152 - 73,728 = 500,752, beside two T f x 2 gradients
-    (98,304)."""
+    (98,304). At the routed experts' input gradients (``moe_titan._compiled_routed``): the
+    shared terms and the block's input freed (147,456 + T h x 2 = 32,768), and as without a
+    shared expert the experts' output, ids, sort index and fp32 input copy (65,536 + 8,192
+    + 65,536 = 139,264), the gate's output, the product (2 x 98,304) and the rows (65,536):
+    107,536, beside the shared expert's two input gradients (2 x 32,768) and w1's and w3's
+    (2 x 65,536)."""
     from memplan.model import moe_titan
     from memplan.parallel import validate
 
@@ -203,6 +208,7 @@ def test_compiled_shared_expert_saved_set_and_forward() -> None:
     backward = MoE().backward_moments(spec, compiled, dm, compiled.recompute)
     assert backward[0][:3] == ("moe_scores_grad", 689_168, 4_096)
     assert backward[1][:3] == ("moe_shared_act", 500_752, 98_304)
+    assert backward[-1][:4] == ("mlp_in", 107_536, 65_536 + 131_072, ("mlp",))
 
 
 def test_compiled_routed_experts_backward_in_inductors_order() -> None:
