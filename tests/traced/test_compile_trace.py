@@ -1247,12 +1247,12 @@ def test_compiled_titan_moe_block_saves_what_the_partitioner_saves(checkpoint: s
 def test_compiled_titan_moe_block_phase_peaks() -> None:
     """The compiled block's forward peak: its saved set, the output and, at the combine, the
     weighted rows cast back (R h x 2 = 65,536) and the sorted scores (R x 4 = 1,024): memplan
-    656,400 above the stream (``moe_titan.compiled_combine_bytes``), traced with two intra-op
-    threads 656,400, exact (pinned: with one, the C++ kernels' forward is 512 B lower,
+    656,400 above the stream (``moe_titan_compiled.compiled_combine_bytes``), traced with two
+    intra-op threads 656,400, exact (pinned: with one, the C++ kernels' forward is 512 B lower,
     655,888; torch 2.13). Its backward (the same with one and two threads), one kernel per
-    scheduler node as a GPU launches them (``moe_titan.compiled_backward``: the scores'
+    scheduler node as a GPU launches them (``moe_titan_compiled.compiled_backward``: the scores'
     gradient first, then the router's, then the experts' MLP in Inductor's order,
-    ``moe_titan._compiled_routed``): traced 713,744 B at w3's input gradient (located by
+    ``moe_titan_compiled._compiled_routed``): traced 713,744 B at w3's input gradient (located by
     replaying Inductor's wrapper code), memplan exact (the eager order's moments were
     2,064 B under). The C++ backend's kernel groups (``kernel_per_node=False``) peak in the
     attention's backward instead (729,984 B), the MoE's input gradients held there: no GPU
@@ -1285,10 +1285,10 @@ def test_compiled_titan_moe_block_without_a_shared_expert(seq: int, saved: int, 
     tokens (2 x 64: ``test_compiled_titan_moe_block_phase_peaks``), one kernel per
     scheduler node, GPU realization, two intra-op threads. Saved exact
     (``compiled.titan_moe_terms``). Forward (traced, pinned): memplan 1,024 and 3,072 B over
-    (the combine's moment, ``moe_titan.compiled_combine_bytes``; not located). Backward in
-    Inductor's lpmf order (``moe_titan._compiled_routed``; located by replaying the
+    (the combine's moment, ``moe_titan_compiled.compiled_combine_bytes``; not located). Backward in
+    Inductor's lpmf order (``moe_titan_compiled._compiled_routed``; located by replaying the
     wrapper code): the router's input gradient after the routed experts'
-    (``moe_titan.router_grad_first``: a tie at 2 x 128, 2,048 B more at 2 x 256), w2's
+    (``moe_titan_compiled.router_grad_first``: a tie at 2 x 128, 2,048 B more at 2 x 256), w2's
     weight gradient before the product's gradient. 2 x 256: the first moment, the scores'
     gradient beside the whole saved set (2,353,168 + 2 x 4,096), exact (the eager order's
     experts' moments were 188,416 B over). 2 x 128: the traced peak is the attention's
@@ -1373,17 +1373,17 @@ def test_compiled_titan_moe_block_with_a_shared_expert(seq: int, width: int, sav
     and w3's outputs and their product (3 x T f x 2; SiLU recomputed): at T = 128 589,840 +
     32,768 + 73,728 = 696,336, exact at both sizes (``compiled.titan_moe_terms``). Forward:
     the shared w2's matmul, the whole saved set beside the routed output and w2's own (T h x
-    2 each; ``moe_titan.compiled_forward``): exact at both sizes. Backward
-    (``moe_titan.compiled_backward``; the peaks located by replaying Inductor's wrapper
+    2 each; ``moe_titan_compiled.compiled_forward``): exact at both sizes. Backward
+    (``moe_titan_compiled.compiled_backward``; the peaks located by replaying Inductor's wrapper
     code): at 2 x 256 its first kernel, the scores' gradient (2 R x 4) beside the whole saved
     set, exact; at 2 x 64 w3's input gradient (beside w1's, every expert and shared weight
     gradient made, the shared expert's two input gradients and the router's held;
-    ``moe_titan._compiled_routed``), exact (the eager order's experts' moments were 2,064
+    ``moe_titan_compiled._compiled_routed``), exact (the eager order's experts' moments were 2,064
     B under). At 2 x 128 the traced peak is the attention's backward (the MoE's input
     gradients held through it), memplan's the first moment: 3,056 B under (-0.22%; the
     eager order's experts' moments were +2.35%), with a 256-wide shared expert 12,272 B
     under (-0.74%; the eager order's shared moments were +10.9%:
-    ``moe_titan._compiled_shared``)."""
+    ``moe_titan_compiled._compiled_shared``)."""
     from memplan.model.layer import grad_group_params
     from memplan.parallel import validate
     from memplan.profile.compiled_trace import compiled_layer_step
