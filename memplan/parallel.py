@@ -824,7 +824,7 @@ def _compile_titan_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         return "MoE layers under moe_impl titan and recompute selective"
     if moe.num_shared_experts and wl.recompute is not Recompute.NONE:
         # traced without recompute alone (tests/traced/test_compile_trace.py,
-        # moe_titan.compiled_backward)
+        # moe_titan_compiled.compiled_backward)
         return ("MoE layers under moe_impl titan with shared experts and recompute "
                 f"{wl.recompute.value} (traced compiled without recompute)")
     return None

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from memplan.model import compiled, float8_grouped, linear, mlp, moe_parallel, moe_titan
+from memplan.model import (compiled, float8_grouped, linear, mlp, moe_parallel, moe_titan,
+                           moe_titan_compiled)
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split
@@ -893,7 +894,7 @@ class MoE:
         moments = [Moment("mlp", saved, stream)]
         if dm.compiled and wl.moe_impl is MoeImpl.TITAN:
             terms = self.saved(spec, wl, dm, recompute)
-            return moments + moe_titan.compiled_forward(spec, dm, terms, stream)
+            return moments + moe_titan_compiled.compiled_forward(spec, dm, terms, stream)
         if dm.compiled:
             # Inductor's kernels make the block's output beside what it saves, no eager
             # working set (traced: tests/traced/test_compile_trace.py, the layer's forward
@@ -1084,16 +1085,15 @@ def _titan_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMomen
     shared experts' input freed with their terms (``moe_titan.shared_input_freed``).
     Traced: torchtitan's Qwen3 MoE toy with and without a shared expert, bf16 and fp32,
     each backward peak exact (in fp32 the combine's the peak: the waiting T h x 4 B).
-    Compiled: Inductor's order (``moe_titan.compiled_backward``)."""
+    Compiled: Inductor's order (``moe_titan_compiled.compiled_backward``)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     spec = moe_titan.titan_spec(spec)
     routed = dm.tokens * moe.top_k
     ex = dm.experts()._replace(e=moe_titan.EXPERT_BYTES)
+    if dm.compiled:
+        return moe_titan_compiled.compiled_backward(spec, dm, saved)
     shared, waiting = _shared_ran_first(spec, dm)
     shared += moe_titan.shared_input_freed(spec, dm)
-    if dm.compiled:
-        return moe_titan.compiled_backward(spec, dm, saved, _shared_last_backward(
-            spec, dm, saved), shared, waiting)
     combine = [BackwardMoment(name, saved - shared, size + waiting, rerun_freed=freed)
                for name, size, freed in moe_titan.combine_backward(spec, dm)]
     if shared:

@@ -1271,13 +1271,14 @@ def test_compiled_titan_moe_block_saves_what_the_partitioner_saves(checkpoint: s
 def test_compiled_titan_moe_block_phase_peaks() -> None:
     """The compiled block's forward peak: its saved set, the output and, at the combine, the
     weighted rows cast back (R h x 2 = 65,536) and the sorted scores (R x 4 = 1,024): memplan
-    656,400 above the stream (``moe_titan.compiled_combine_bytes``), traced with two intra-op
-    threads 656,400, exact (pinned: with one, the C++ kernels' forward is 512 B lower,
+    656,400 above the stream (``moe_titan_compiled.compiled_combine_bytes``), traced with two
+    intra-op threads 656,400, exact (pinned: with one, the C++ kernels' forward is 512 B lower,
     655,888; torch 2.13). Its backward (the same with one and two threads), one kernel per
-    scheduler node as a GPU launches them (``moe_titan.compiled_backward``: the scores'
-    gradient first, then the experts' MLP): traced 713,744 B at the experts' input
-    projections (located by replaying Inductor's wrapper code), memplan 2,064 under
-    (-0.29%). The C++ backend's kernel groups (``kernel_per_node=False``) peak in the
+    scheduler node as a GPU launches them (``moe_titan_compiled.compiled_backward``: the scores'
+    gradient first, then the router's, then the experts' MLP in Inductor's order,
+    ``moe_titan_compiled._compiled_routed``): traced 713,744 B at w3's input gradient (located by
+    replaying Inductor's wrapper code), memplan exact (the eager order's moments were
+    2,064 B under). The C++ backend's kernel groups (``kernel_per_node=False``) peak in the
     attention's backward instead (729,984 B), the MoE's input gradients held there: no GPU
     schedule."""
     import torch
@@ -1295,7 +1296,59 @@ def test_compiled_titan_moe_block_phase_peaks() -> None:
         torch.set_num_threads(before)
     assert traced_forward == 656_400 and traced_backward == 713_744
     assert kind.forward_peak_bytes - stream == traced_forward
-    assert _model_backward(kind, groups, 2) - stream - traced_backward == -2_064
+    assert _model_backward(kind, groups, 2) - stream - traced_backward == 0
+
+
+@pytest.mark.parametrize("seq,saved,forward,over,backward,diff", [
+    (128, 1_177_616, 1_309_712, 1_024, 1_192_960, -11_248),
+    (256, 2_353_168, 2_616_336, 3_072, 2_361_360, 0)])
+def test_compiled_titan_moe_block_without_a_shared_expert(seq: int, saved: int, forward: int,
+                                                          over: int, backward: int,
+                                                          diff: int) -> None:
+    """torchtitan's MoE block with routed experts alone compiled whole at 2 x 128 and 2 x 256
+    tokens (2 x 64: ``test_compiled_titan_moe_block_phase_peaks``), one kernel per
+    scheduler node, GPU realization, two intra-op threads. Saved exact
+    (``compiled.titan_moe_terms``). Forward (traced, pinned): memplan 1,024 and 3,072 B over
+    (the combine's moment, ``moe_titan_compiled.compiled_combine_bytes``; not located). Backward in
+    Inductor's lpmf order (``moe_titan_compiled._compiled_routed``; located by replaying the
+    wrapper code): the router's input gradient after the routed experts'
+    (``moe_titan_compiled.router_grad_first``: a tie at 2 x 128, 2,048 B more at 2 x 256), w2's
+    weight gradient before the product's gradient. 2 x 256: the first moment, the scores'
+    gradient beside the whole saved set (2,353,168 + 2 x 4,096), exact (the eager order's
+    experts' moments were 188,416 B over). 2 x 128: the traced peak is the attention's
+    backward (its three input gradients beside the MoE's input gradients, which wait for
+    the ffn norm's weight gradient fused into the block's last kernel), memplan's the first
+    moment (1,177,616 + 2 x 2,048 = 1,181,712), 11,248 B under (-0.94%; the eager order's
+    moments were 115,728 B over)."""
+    import torch
+
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from memplan.profile.compiled_trace import compiled_layer_step
+    from memplan.profile.frameworks import torchtitan_moe_config, torchtitan_moe_spec
+
+    spec = torchtitan_moe_spec(torchtitan_moe_config(**TITAN_MOE["torchtitan_moe"],
+                                                     seq_len=seq), "qwen3-moe-toy")
+    wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="bf16-pure", compile=True,
+                  moe_impl="titan", framework="torchtitan", rope_cache="layer-cossin")
+    validate(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, Dims.of(spec, ParallelConfig(), wl), True, Recompute.NONE)
+    stream = BATCH * seq * 128 * 2
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the traced forward follows the thread count
+    try:
+        traced, traced_forward, traced_backward = compiled_layer_step(
+            TITAN_MOE, "bfloat16", BATCH, seq, gpu_realize=True)
+    finally:
+        torch.set_num_threads(before)
+    activations = sum(t.size_bytes for t in traced
+                      if not t.graph_input or t.shape == (BATCH, seq, 128))
+    assert activations == kind.saved_bytes == saved
+    assert traced_forward == forward
+    assert kind.forward_peak_bytes - stream - forward == over
+    groups = grad_group_params(spec, 1, 1, True)
+    assert traced_backward == backward
+    assert _model_backward(kind, groups, 2) - stream - traced_backward == diff
 
 
 @pytest.mark.parametrize("config,dtype,cache_dtype,cache_bytes", [
@@ -1331,9 +1384,9 @@ def test_titan_block_keeps_its_rope_cache(config: dict, dtype: str, cache_dtype:
 
 
 @pytest.mark.parametrize("seq,width,saved,forward,backward,diff", [
-    (64, 96, 696_336, 729_104, 853_008, -2_064),
+    (64, 96, 696_336, 729_104, 853_008, 0),
     (256, 96, 2_779_152, 2_910_224, 2_787_344, 0),
-    (128, 96, 1_390_608, 1_456_144, 1_397_760, 32_768),
+    (128, 96, 1_390_608, 1_456_144, 1_397_760, -3_056),
     (128, 256, 1_636_368, 1_701_904, 1_652_736, -12_272)])
 def test_compiled_titan_moe_block_with_a_shared_expert(seq: int, width: int, saved: int,
                                                        forward: int, backward: int,
@@ -1344,14 +1397,17 @@ def test_compiled_titan_moe_block_with_a_shared_expert(seq: int, width: int, sav
     and w3's outputs and their product (3 x T f x 2; SiLU recomputed): at T = 128 589,840 +
     32,768 + 73,728 = 696,336, exact at both sizes (``compiled.titan_moe_terms``). Forward:
     the shared w2's matmul, the whole saved set beside the routed output and w2's own (T h x
-    2 each; ``moe_titan.compiled_forward``): exact at both sizes. Backward
-    (``moe_titan.compiled_backward``; the peaks located by replaying Inductor's wrapper
+    2 each; ``moe_titan_compiled.compiled_forward``): exact at both sizes. Backward
+    (``moe_titan_compiled.compiled_backward``; the peaks located by replaying Inductor's wrapper
     code): at 2 x 256 its first kernel, the scores' gradient (2 R x 4) beside the whole saved
-    set, exact; at 2 x 64 the routed experts' input projections (w1's input gradient beside
-    w3's, every expert and shared weight gradient made, the shared expert's and the router's
-    input gradients held), 2,064 B under (-0.24%). Also at 2 x 128: +2.35% (the routed
-    experts' moments, in the eager order's, over), and with a 256-wide shared expert -0.74%
-    (the eager order's shared moments were +10.9%: ``moe_titan._compiled_shared``)."""
+    set, exact; at 2 x 64 w3's input gradient (beside w1's, every expert and shared weight
+    gradient made, the shared expert's two input gradients and the router's held;
+    ``moe_titan_compiled._compiled_routed``), exact (the eager order's experts' moments were 2,064
+    B under). At 2 x 128 the traced peak is the attention's backward (the MoE's input
+    gradients held through it), memplan's the first moment: 3,056 B under (-0.22%; the
+    eager order's experts' moments were +2.35%), with a 256-wide shared expert 12,272 B
+    under (-0.74%; the eager order's shared moments were +10.9%:
+    ``moe_titan_compiled._compiled_shared``)."""
     from memplan.model.layer import grad_group_params
     from memplan.parallel import validate
     from recorded import compiled_layer_step  # tests/traced/recorded.py

@@ -476,8 +476,9 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     (FrameworkCase("torchtitan", "qwen3-moe-toy", TITAN_MOE_TOY, "fsdp-bf16", 2, 64, dp=1,
                    options={"compile": True}), None),
     # with a shared expert: its SiLU recomputed, its w2 output beside the routed one the
-    # forward's last moment, the backward in Inductor's order (moe_titan.compiled_backward):
-    # every phase within 0.10%, saved activations +0.24% (the same 2,048 B a layer)
+    # forward's last moment, the backward in Inductor's order
+    # (moe_titan_compiled.compiled_backward): every phase within 0.10%, saved activations
+    # +0.24% (the same 2,048 B a layer)
     (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fsdp-bf16", 2, 64,
                    dp=1, options={"compile": True}), None),
     # torchao's Float8Linear on every block linear (torchtitan's float8 converter: widths

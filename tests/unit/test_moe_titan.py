@@ -174,18 +174,23 @@ def test_compiled_shared_expert_saved_set_and_forward() -> None:
     without recompute (validated): the shared expert saves what a compiled
     SwiGLU saves, w1's and w3's outputs and their product (3 x T f x 2 = 147,456; SiLU(w1 x)
     recomputed), beside the routed block's 541,712: 689,168. Forward
-    (``moe_titan.compiled_forward``): at the combine the shared terms are not made yet
+    (``moe_titan_compiled.compiled_forward``): at the combine the shared terms are not made yet
     (689,168 - 147,456 = 541,712 alive) beside the scatter output (T h x 2 = 32,768), the
     weighted rows cast back (R h x 2 = 65,536) and the sorted scores (R x 4 = 2,048):
     100,352; at the shared w2's matmul the whole saved set beside the routed output and w2's
-    (2 x 32,768 = 65,536). Backward (``moe_titan.compiled_backward``) first the scores'
+    (2 x 32,768 = 65,536). Backward (``moe_titan_compiled.compiled_backward``) first the scores'
     gradient beside the whole saved set: two R x 4 = 4,096 B; then the shared expert's SiLU
-    backward (``moe_titan._compiled_shared``) without the experts' bf16 output (R h x 2 =
+    backward (``moe_titan_compiled._compiled_shared``) without the experts' bf16 output (R h x 2 =
     65,536), its product (T f x 2 = 49,152) and the router's tensors its backward freed
     (the fp32 input copy T h x 4 = 65,536, the logits T E x 4 = 4,096, the expert ids T k x
     8 = 4,096): 689,168 - 65,536 - 49,152 - 73,728 = 500,752, beside two T f x 2 gradients
-    (98,304)."""
-    from memplan.model import moe_titan
+    (98,304). At the routed experts' input gradients (``moe_titan_compiled._compiled_routed``): the
+    shared terms and the block's input freed (147,456 + T h x 2 = 32,768), and as without a
+    shared expert the experts' output, ids, sort index and fp32 input copy (65,536 + 8,192
+    + 65,536 = 139,264), the gate's output, the product (2 x 98,304) and the rows (65,536):
+    107,536, beside the shared expert's two input gradients (2 x 32,768) and w1's and w3's
+    (2 x 65,536)."""
+    from memplan.model import moe_titan_compiled
     from memplan.parallel import validate
 
     spec, wl, _ = _setup(num_shared_experts=1, shared_expert_ffn_hidden_size=96)
@@ -197,12 +202,44 @@ def test_compiled_shared_expert_saved_set_and_forward() -> None:
     assert "moe.shared.act" not in saved
     assert sum(v for k, v in saved.items() if k.startswith("moe.shared.")) == 147_456
     assert sum(saved.values()) == 689_168
-    moments = moe_titan.compiled_forward(spec, dm, terms, 32_768)
+    moments = moe_titan_compiled.compiled_forward(spec, dm, terms, 32_768)
     assert [(m.name, m.own_bytes, m.transient_bytes) for m in moments] == [
         ("moe_combine", 541_712, 100_352), ("moe_shared_out", 689_168, 65_536)]
     backward = MoE().backward_moments(spec, compiled, dm, compiled.recompute)
     assert backward[0][:3] == ("moe_scores_grad", 689_168, 4_096)
     assert backward[1][:3] == ("moe_shared_act", 500_752, 98_304)
+    assert backward[-1][:4] == ("mlp_in", 107_536, 65_536 + 131_072, ("mlp",))
+
+
+def test_compiled_routed_experts_backward_in_inductors_order() -> None:
+    """torchtitan's compiled block without a shared expert (tiny-moe, bf16, saved 541,712),
+    its routed experts' backward as Inductor's lpmf order runs it
+    (``moe_titan_compiled._compiled_routed``). Freed before the experts: their output (R h x 2 =
+    65,536), the expert ids and the sort index (2 x R x 8 = 8,192) and the gate's fp32 input
+    copy (T h x 4 = 65,536): 402,448 left. The router's input gradient after the experts
+    (``router_grad_first``: T (h - E) x 4 - E h x 4 = 61,440 - 1,024 = 60,416 against the
+    gather's R h x 2 - R x 12 = 65,536 - 6,144 = 59,392). w2's weight gradient (E f h x 2
+    = 49,152, freeing the product, R f x 2 = 98,304) before the product's gradient (98,304
+    B, freeing nothing): -49,152 < 98,304; so at the product's gradient 402,448 - 98,304 =
+    304,144 alive beside the rows' gradient (R h x 2 = 65,536) and its own (98,304). The
+    SiLU backward: the gate's output gradient (98,304) beside the product's. The input
+    gradients: the gate's output, the product and the rows freed (304,144 - 98,304 -
+    65,536 = 140,304), beside the gate's output gradient and w1's input gradient (98,304 +
+    65,536), then w1's and w3's (2 x 65,536), written into the combine's zeros (saved):
+    no T h tensor of their own."""
+    from memplan.parallel import validate
+
+    spec, wl, _ = _setup()
+    compiled = wl.model_copy(update={"compile": True})
+    validate(spec, make_layout(1), compiled)
+    dm = Dims.of(spec, make_layout(1), compiled)
+    backward = MoE().backward_moments(spec, compiled, dm, compiled.recompute)
+    assert [m[:4] for m in backward] == [
+        ("moe_scores_grad", 541_712, 4_096, ()),
+        ("mlp", 304_144, 163_840, ("mlp_out",)),
+        ("mlp_act", 304_144, 196_608, ("mlp_out",)),
+        ("mlp_in_gate", 140_304, 163_840, ("mlp",)),
+        ("mlp_in", 140_304, 131_072, ("mlp",))]
 
 
 def test_split_gate_up_holds_three_stacked_tensors() -> None:
