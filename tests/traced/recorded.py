@@ -346,6 +346,12 @@ def _run_collecting(fn: Callable[..., T], args: tuple, kwargs: dict
             others.add(code.co_filename)
         return None
 
+    try:  # Dynamo would compile the tracer's own frames (and fail on ``seen``'s code keys)
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:
+        pass
+    else:
+        skip_code(tracer.__code__)
     old, old_threading = sys.gettrace(), threading.gettrace()
     threading.settrace(tracer)
     sys.settrace(tracer)

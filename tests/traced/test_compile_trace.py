@@ -1324,7 +1324,7 @@ def test_compiled_titan_moe_block_without_a_shared_expert(seq: int, saved: int, 
 
     from memplan.model.layer import grad_group_params
     from memplan.parallel import validate
-    from memplan.profile.compiled_trace import compiled_layer_step
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
     from memplan.profile.frameworks import torchtitan_moe_config, torchtitan_moe_spec
 
     spec = torchtitan_moe_spec(torchtitan_moe_config(**TITAN_MOE["torchtitan_moe"],
