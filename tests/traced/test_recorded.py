@@ -65,6 +65,9 @@ class Tree:
     def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         self.root = root
         (root / "src").mkdir()
+        # each load compiles the source as it is now: no bytecode cache, whose check (mtime in
+        # seconds and size) misses a same-size edit within a second
+        monkeypatch.setattr(sys, "dont_write_bytecode", True)
         monkeypatch.setattr(recorded, "ROOT", root)
         monkeypatch.setattr(recorded, "RECORDS", root / "records")
         monkeypatch.setattr(recorded, "_SOURCES", (str(root / "src") + "/",))
