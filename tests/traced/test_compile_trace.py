@@ -1238,14 +1238,18 @@ TITAN_MOE = {"torchtitan_moe": dict(dim=128, n_layers=1, n_heads=4, n_kv_heads=2
                                     top_k=2)}
 
 
-def _titan_moe_kind(recompute: Recompute):
+def _titan_moe_kind(recompute: Recompute, seq: int = SEQ, fields: dict | None = None,
+                    name: str = "qwen3-moe-toy"):
+    """memplan's layer and gradient groups for torchtitan's Qwen3 MoE block (``fields``, the
+    toy's by default) at ``BATCH`` x ``seq`` tokens, compiled, as the torchtitan preset runs
+    it."""
     from memplan.model.layer import grad_group_params
     from memplan.parallel import validate
     from memplan.profile.frameworks import torchtitan_moe_config, torchtitan_moe_spec
 
-    spec = torchtitan_moe_spec(torchtitan_moe_config(**TITAN_MOE["torchtitan_moe"],
-                                                     seq_len=SEQ), "qwen3-moe-toy")
-    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision="bf16-pure", compile=True,
+    fields = TITAN_MOE["torchtitan_moe"] if fields is None else fields
+    spec = torchtitan_moe_spec(torchtitan_moe_config(**fields, seq_len=seq), name)
+    wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="bf16-pure", compile=True,
                   moe_impl="titan", framework="torchtitan", rope_cache="layer-cossin",
                   recompute=recompute)
     validate(spec, ParallelConfig(), wl)
@@ -1322,17 +1326,9 @@ def test_compiled_titan_moe_block_without_a_shared_expert(seq: int, saved: int, 
     moments were 115,728 B over)."""
     import torch
 
-    from memplan.model.layer import grad_group_params
-    from memplan.parallel import validate
     from recorded import compiled_layer_step  # tests/traced/recorded.py
-    from memplan.profile.frameworks import torchtitan_moe_config, torchtitan_moe_spec
 
-    spec = torchtitan_moe_spec(torchtitan_moe_config(**TITAN_MOE["torchtitan_moe"],
-                                                     seq_len=seq), "qwen3-moe-toy")
-    wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="bf16-pure", compile=True,
-                  moe_impl="titan", framework="torchtitan", rope_cache="layer-cossin")
-    validate(spec, ParallelConfig(), wl)
-    kind = layer_kind(spec, wl, Dims.of(spec, ParallelConfig(), wl), True, Recompute.NONE)
+    kind, groups = _titan_moe_kind(Recompute.NONE, seq)
     stream = BATCH * seq * 128 * 2
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # the traced forward follows the thread count
@@ -1346,7 +1342,6 @@ def test_compiled_titan_moe_block_without_a_shared_expert(seq: int, saved: int, 
     assert activations == kind.saved_bytes == saved
     assert traced_forward == forward
     assert kind.forward_peak_bytes - stream - forward == over
-    groups = grad_group_params(spec, 1, 1, True)
     assert traced_backward == backward
     assert _model_backward(kind, groups, 2) - stream - traced_backward == diff
 
@@ -1408,19 +1403,12 @@ def test_compiled_titan_moe_block_with_a_shared_expert(seq: int, width: int, sav
     eager order's experts' moments were +2.35%), with a 256-wide shared expert 12,272 B
     under (-0.74%; the eager order's shared moments were +10.9%:
     ``moe_titan_compiled._compiled_shared``)."""
-    from memplan.model.layer import grad_group_params
-    from memplan.parallel import validate
     from recorded import compiled_layer_step  # tests/traced/recorded.py
-    from memplan.profile.frameworks import torchtitan_moe_config, torchtitan_moe_spec
 
     # a shared expert of that width (FeedForward, make_ffn_config), run after the routed ones
     config = {"torchtitan_moe": TITAN_MOE["torchtitan_moe"] | {"shared_hidden_dim": width}}
-    spec = torchtitan_moe_spec(torchtitan_moe_config(**config["torchtitan_moe"],
-                                                     seq_len=seq), "qwen3-moe-shared")
-    wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="bf16-pure", compile=True,
-                  moe_impl="titan", framework="torchtitan", rope_cache="layer-cossin")
-    validate(spec, ParallelConfig(), wl)
-    kind = layer_kind(spec, wl, Dims.of(spec, ParallelConfig(), wl), True, Recompute.NONE)
+    kind, groups = _titan_moe_kind(Recompute.NONE, seq, config["torchtitan_moe"],
+                                   "qwen3-moe-shared")
     stream = BATCH * seq * 128 * 2
     traced, traced_forward, traced_backward = compiled_layer_step(
         config, "bfloat16", BATCH, seq, gpu_realize=True)
@@ -1428,6 +1416,5 @@ def test_compiled_titan_moe_block_with_a_shared_expert(seq: int, width: int, sav
                       if not t.graph_input or t.shape == (BATCH, seq, 128))
     assert activations == kind.saved_bytes == saved
     assert traced_forward == kind.forward_peak_bytes - stream == forward
-    groups = grad_group_params(spec, 1, 1, True)
     assert traced_backward == backward
     assert _model_backward(kind, groups, 2) - stream - traced_backward == diff
