@@ -182,6 +182,13 @@ def test_an_unreadable_record_is_no_record(tree: Tree, monkeypatch) -> None:
     assert tree.call("use", monkeypatch) == (7, 1)
 
 
+def test_values_are_the_same_by_equality_or_bytes() -> None:
+    shared = [1]
+    # equal values whose pickles differ (one list held twice against two equal lists)
+    assert recorded._same((shared, shared), ([1], [1]))
+    assert not recorded._same(([1], [1]), ([1], [2]))
+
+
 def test_a_bad_mode_is_refused(monkeypatch) -> None:
     monkeypatch.setenv("MEMPLAN_TRACES", "sometimes")
     with pytest.raises(ValueError, match="MEMPLAN_TRACES='sometimes'"):
