@@ -433,7 +433,7 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
                       or not (spec.norm_placement.pre_norm or dm.autocast))
     extra = stream if recompute is Recompute.FULL and not input_is_saved else 0
     out = (_rerun_moments(spec, wl, dm, blocks, saved, prior, extra, input_is_saved)
-           if recompute is Recompute.FULL else [])
+           if _rebuilt_whole(recompute, wl, dm, moe_layer) else [])
     later: tuple[str, ...] = ()  # the blocks whose backward has run: all their gradients
     rerun = recompute is Recompute.FULL  # the rerun's tensors, dropped as they are unpacked
     for block, before in reversed(list(zip(blocks, prior))):
@@ -479,6 +479,16 @@ def _branch_grad(spec: ModelSpec, dm: Dims) -> int:
     engine's validate_outputs), a new tensor of the stream's rows in the compute dtype; 0
     where the stream is in the compute dtype (the add passes the gradient itself)."""
     return dm.rows * spec.hidden_size * dm.e if dm.autocast and dm.e < dm.stream_e else 0
+
+
+def _rebuilt_whole(recompute: Recompute, wl: Workload, dm: Dims, moe_layer: bool) -> bool:
+    """Whether a layer's backward begins with a rerun that holds its rebuilt saved set whole
+    (``_rerun_moments``): under full recompute, but for torchtitan's MoE block compiled with
+    the checkpoint inside its graph, where Inductor's partitioner recomputes within the
+    backward graph and its scheduler interleaves the rerun with the gradients
+    (``moe_titan_compiled.full_ac_backward``, traced)."""
+    return recompute is Recompute.FULL and not (
+        moe_layer and dm.compiled and wl.moe_impl is MoeImpl.TITAN)
 
 
 def _first_output_grad(spec: ModelSpec, dm: Dims, block: Block) -> int:

@@ -1085,11 +1085,14 @@ def _titan_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMomen
     shared experts' input freed with their terms (``moe_titan.shared_input_freed``).
     Traced: torchtitan's Qwen3 MoE toy with and without a shared expert, bf16 and fp32,
     each backward peak exact (in fp32 the combine's the peak: the waiting T h x 4 B).
-    Compiled: Inductor's order (``moe_titan_compiled.compiled_backward``)."""
+    Compiled: Inductor's order (``moe_titan_compiled.compiled_backward``; inside full AC
+    ``moe_titan_compiled.full_ac_backward``)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     spec = moe_titan.titan_spec(spec)
     routed = dm.tokens * moe.top_k
     ex = dm.experts()._replace(e=moe_titan.EXPERT_BYTES)
+    if dm.compiled and dm.rerun:  # inside full AC: the rerun within Inductor's backward
+        return moe_titan_compiled.full_ac_backward(spec, dm)
     if dm.compiled:
         return moe_titan_compiled.compiled_backward(spec, dm, saved)
     shared, waiting = _shared_ran_first(spec, dm)

@@ -4,15 +4,16 @@ compiles each TransformerBlock (torchtitan/distributed/compile.py: fullgraph,
 partitioner keeps (``memplan.model.compiled.titan_moe_terms``) and its backward's in the
 order Inductor runs them (torch/_inductor/memory.py ``reorder_for_peak_memory``, torch
 2.13), replayed from the wrapper code Inductor generates for the block (one kernel per
-scheduler node, as a GPU backend launches them: memplan/profile/compiled_trace.py). Traced
-in bf16 alone (``memplan.parallel._compile_titan_moe_refusal``).
+scheduler node, as a GPU backend launches them: memplan/profile/compiled_trace.py); inside
+full AC, the rerun interleaved with the gradients (``full_ac_backward``). Traced in bf16
+alone (``memplan.parallel._compile_titan_moe_refusal``).
 """
 
 from __future__ import annotations
 
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
-from memplan.model.moe_titan import EXPERT_BYTES, shared_input_freed
+from memplan.model.moe_titan import EXPERT_BYTES, OFFSET_BYTES, shared_input_freed
 from memplan.spec import ModelSpec, MoESpec
 
 
@@ -244,3 +245,63 @@ def _product_grad_first(inner: int, weight: int, router_first: bool) -> bool:
     if router_first:
         return inner < weight
     return inner < weight - inner
+
+
+def full_ac_backward(spec: ModelSpec, dm: Dims) -> list[BackwardMoment]:
+    """The compiled block's backward inside full activation checkpointing (``dm.rerun``;
+    torchtitan's ``apply_ac`` wraps the block before ``apply_compile`` compiles it, so the
+    checkpoint is inside the graph): Inductor's partitioner recomputes the forward within the
+    backward graph (torch/_functorch/partitioners.py ``min_cut_rematerialization_partition``)
+    and the scheduler interleaves the rerun with the gradients (torch/_inductor/memory.py
+    ``reorder_for_peak_memory``, torch 2.13): the no-recompute saved set
+    (``compiled.titan_moe_terms``) is never alive whole; the experts' output is rebuilt
+    after their MLP's backward, for the scores' gradient; the combine's output is not
+    rebuilt. Beside the attention's rebuilt tensors (the blocks before: their no-recompute
+    saved set) the rerun keeps its fused wqkv output whole (T (q + 2 kv) e), of which the
+    attention's terms count the q and k norms' inputs: its value third, T kv e, too. R = T k
+    rows, f the experts' width, below fp32 (``_compile_titan_moe_refusal``: bf16 alone):
+
+    - ``mlp_act``, the experts' SiLU backward kernel: rebuilt and alive, the gate's fp32
+      input copy (T h x 4) and weight copy (E h x 4), the expert ids and the sort index (R x
+      8 each), the softmax's scores (T E x 4), the gathered rows (R h x 2), the offsets (E x
+      4), gate's and up's outputs (R f x 2 each); made, the gathered, weighted output
+      gradient (R h x 2), w2's input gradient, the recomputed product and the gate's and up's
+      output gradients (4 R f x 2); a shared expert's weight gradients and its two input
+      gradients (T h x 2 each) made before (its backward runs first), its input (the ffn
+      norm's output, T h x 2, in the norm's saved set) freed by it
+      (``moe_titan.shared_input_freed``);
+    - ``mlp_in``, w1's input gradient: alive, the router's input gradient (fp32, in the
+      gate's fp32 input's buffer, T h x 4), the combine's zeros (T h x 2, where the two
+      input gradients are summed: ``index_put`` with accumulate), up's output gradient (R f
+      x 2, its buffer kept for a later reuse), the sort index and the offsets; w3's and w1's
+      input gradients (R h x 2 each) beside every weight gradient.
+
+    Traced (tests/traced/test_compile_trace.py, torchtitan 0.3.0's Qwen3 MoE block, h 128,
+    E 4, f 64, k 2, bf16, one kernel per scheduler node, the peaks located by replaying the
+    wrapper code): 2 x 64 tokens ``mlp_in``, 2 x 128 and 2 x 256 ``mlp_act``, exact, with
+    and without a shared expert (96 and 256 wide). By hand, 2 x 128 (T 256, R 512), routed
+    alone: ``mlp_act`` 131,072 + 2,048 + 2 x 4,096 + 4,096 + 131,072 + 16 + 2 x 65,536 own,
+    131,072 + 4 x 65,536 new: 800,784 beside the attention's 536,576 (its saved set 503,808
+    and the value third 32,768): 1,337,360, traced 1,337,360 with the incoming gradient
+    (65,536) left out."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    assert e < FP32_BYTES, "traced in bf16 alone (_compile_titan_moe_refusal)"
+    routed = dm.tokens * moe.top_k
+    f = moe.expert_ffn_hidden_size // dm.experts().tp
+    experts = moe.num_experts // dm.ep
+    rows, inner = routed * h * EXPERT_BYTES, routed * f * EXPERT_BYTES
+    value = dm.tokens * spec.kv_size // dm.tp * e  # the rerun's wqkv output's value third
+    offsets = experts * OFFSET_BYTES
+    shared: tuple[str, ...] = ()
+    waiting = 0
+    if moe.num_shared_experts:
+        shared, waiting = ("moe_shared",), 2 * dm.rows * h * e
+    act_own = (dm.tokens * h * FP32_BYTES + moe.num_experts * h * FP32_BYTES
+               + 2 * routed * INDEX_BYTES + dm.tokens * moe.num_experts * FP32_BYTES
+               + rows + offsets + 2 * inner)
+    in_own = (dm.tokens * h * FP32_BYTES + dm.rows * h * e + inner + routed * INDEX_BYTES
+              + offsets)
+    # the ffn norm's output, in the norm's saved set for a shared expert, freed by then
+    value -= shared_input_freed(spec, dm)
+    return [BackwardMoment("mlp_act", value + act_own, waiting + rows + 4 * inner, shared),
+            BackwardMoment("mlp_in", value + in_own, waiting + 2 * rows, ("mlp",))]

@@ -1239,10 +1239,10 @@ TITAN_MOE = {"torchtitan_moe": dict(dim=128, n_layers=1, n_heads=4, n_kv_heads=2
 
 
 def _titan_moe_kind(recompute: Recompute, seq: int = SEQ, fields: dict | None = None,
-                    name: str = "qwen3-moe-toy"):
+                    name: str = "qwen3-moe-toy", check: bool = True):
     """memplan's layer and gradient groups for torchtitan's Qwen3 MoE block (``fields``, the
     toy's by default) at ``BATCH`` x ``seq`` tokens, compiled, as the torchtitan preset runs
-    it."""
+    it; ``check``: the layout validated first (off: a refused case's moments, to compare)."""
     from memplan.model.layer import grad_group_params
     from memplan.parallel import validate
     from memplan.profile.frameworks import torchtitan_moe_config, torchtitan_moe_spec
@@ -1252,7 +1252,8 @@ def _titan_moe_kind(recompute: Recompute, seq: int = SEQ, fields: dict | None = 
     wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="bf16-pure", compile=True,
                   moe_impl="titan", framework="torchtitan", rope_cache="layer-cossin",
                   recompute=recompute)
-    validate(spec, ParallelConfig(), wl)
+    if check:
+        validate(spec, ParallelConfig(), wl)
     dm = Dims.of(spec, ParallelConfig(), wl)
     return layer_kind(spec, wl, dm, True, recompute), grad_group_params(spec, 1, 1, True)
 
@@ -1344,6 +1345,75 @@ def test_compiled_titan_moe_block_without_a_shared_expert(seq: int, saved: int, 
     assert kind.forward_peak_bytes - stream - forward == over
     assert traced_backward == backward
     assert _model_backward(kind, groups, 2) - stream - traced_backward == diff
+
+
+# traced (one compile each, one kernel per scheduler node, GPU realization, two intra-op
+# threads): (shared expert width, tokens per sequence, forward peak, backward peak)
+TITAN_MOE_FULL_AC = [(0, 64, 206_800, 730_128), (0, 128, 408_528, 1_337_360),
+                     (0, 256, 890_816, 2_672_656), (96, 64, 273_344, 869_392),
+                     (96, 128, 532_928, 1_542_160), (96, 256, 1_159_104, 3_008_528),
+                     (256, 64, 273_344, 992_272), (256, 128, 532_928, 1_665_040),
+                     (256, 256, 1_159_104, 3_131_408)]
+
+
+@pytest.mark.parametrize("width,seq,forward,backward", TITAN_MOE_FULL_AC)
+def test_compiled_titan_moe_block_under_full_ac(width: int, seq: int, forward: int,
+                                                backward: int) -> None:
+    """torchtitan's MoE block compiled whole with the checkpoint inside its graph (full AC),
+    routed experts alone and with a shared expert 96 and 256 wide. Saved: the block's input
+    alone (T h x 2). Backward: Inductor interleaves the rerun with the gradients
+    (``moe_titan_compiled.full_ac_backward``; the peaks located by replaying the wrapper
+    code): 2 x 64 tokens at w1's input gradient, 2 x 128 and 2 x 256 at the experts' SiLU
+    backward kernel, memplan exact in all nine. By hand, routed alone at 2 x 64 (T 128, R
+    256): the attention's rebuilt tensors (its no-recompute saved set with the block's
+    input, 251,904, and the rerun's wqkv value third, T kv x 2 = 16,384), the router's input gradient (T h x 4 = 65,536), the
+    combine's zeros (32,768), up's output gradient (R f x 2 = 32,768), the sort index (2,048),
+    the offsets (16), w3's and w1's input gradients (2 x 65,536) and every weight gradient
+    (197,632): 730,128. A shared expert adds its weight gradients (3 x 128 x width x 2) and
+    its two input gradients (2 x T h x 2) at either moment: 96 wide 139,264 at 2 x 64, 204,800
+    at 2 x 128, 335,872 at 2 x 256; 256 wide 122,880 more at each size. Forward (traced,
+    pinned; not modelled: memplan's is the no-recompute saved set beside the output, 500,256
+    B at 2 x 64, 1,000,480 at 2 x 128, 2,000,928 at 2 x 256: +142%, +145% and +125% routed
+    alone, +83%, +88% and +73% with a shared expert): the same with either
+    shared width; replayed from the wrapper code, routed alone, 2 x 64 and 2 x 128 peak at
+    up's grouped matmul (the ffn norm's fp32 output, the gathered rows, gate's and up's
+    outputs) as traced; 2 x 256 and the shared expert's forwards peak inside an op the
+    wrapper does not show (the CPU harness's extern kernels' own buffers: not located). The
+    shared expert is refused under full AC for that forward
+    (``parallel._compile_titan_moe_refusal``)."""
+    from memplan.parallel import validate
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
+
+    fields = TITAN_MOE["torchtitan_moe"] | ({"shared_hidden_dim": width} if width else {})
+    name = "qwen3-moe-shared" if width else "qwen3-moe-toy"
+    kind, groups = _titan_moe_kind(Recompute.FULL, seq, fields, name, check=not width)
+    stream = BATCH * seq * 128 * 2
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the traced forward follows the thread count
+    try:
+        traced, traced_forward, traced_backward = compiled_layer_step(
+            {"torchtitan_moe": fields}, "bfloat16", BATCH, seq, checkpoint="full",
+            gpu_realize=True)
+    finally:
+        torch.set_num_threads(before)
+    activations = sum(t.size_bytes for t in traced
+                      if not t.graph_input or t.shape == (BATCH, seq, 128))
+    assert activations == kind.saved_bytes == stream
+    assert (traced_forward, traced_backward) == (forward, backward)
+    assert _model_backward(kind, groups, 2) - stream == backward
+    assert kind.forward_peak_bytes - stream > forward  # over, not under (docstring)
+    if width:
+        from memplan.errors import LayoutError
+        from memplan.profile.frameworks import torchtitan_moe_config, torchtitan_moe_spec
+
+        spec = torchtitan_moe_spec(torchtitan_moe_config(**fields, seq_len=seq), name)
+        wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="bf16-pure",
+                      compile=True, moe_impl="titan", framework="torchtitan",
+                      rope_cache="layer-cossin", recompute=Recompute.FULL)
+        with pytest.raises(LayoutError, match="shared experts and recompute full"):
+            validate(spec, ParallelConfig(), wl)
 
 
 @pytest.mark.parametrize("config,dtype,cache_dtype,cache_bytes", [

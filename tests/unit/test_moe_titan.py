@@ -340,3 +340,28 @@ def test_weight_gradient_cast_with_fp32_weights() -> None:
     assert moe_titan.weight_grad_cast_bytes(spec, dm) == 49_152
     (moment,) = MoE().working_set(spec, wl, dm)
     assert moment.transient_bytes == 541_728
+
+
+def test_compiled_full_ac_backward_moments() -> None:
+    """The compiled block inside full AC (``moe_titan_compiled.full_ac_backward``), T = 256,
+    R = 512, h = 64, f = 96, E = 4, kv 2 x 16, bf16. Beside both moments the rerun's wqkv
+    value third (T kv x 2 = 16,384). The SiLU backward kernel: own the gate's fp32 input and
+    weight copies (65,536 + 1,024), the ids and the sort index (2 x 4,096), the scores (T E x
+    4 = 4,096), the gathered rows (R h x 2 = 65,536), the offsets (16), gate's and up's
+    outputs (2 x 98,304): 357,392; new the output gradient's rows (65,536) and four R f x 2
+    (393,216): 458,752. w1's input gradient: own the router's fp32 input gradient (65,536),
+    the combine's zeros (32,768), up's output gradient (98,304), the sort index (4,096), the
+    offsets (16): 217,104; new w3's and w1's input gradients (2 x 65,536). A shared expert
+    (f 96): its input (T h x 2 = 32,768) freed, its two input gradients (65,536) waiting."""
+    from memplan.model import moe_titan_compiled
+
+    for shared, freed, waiting in (({}, 0, 0),
+                                   ({"num_shared_experts": 1,
+                                     "shared_expert_ffn_hidden_size": 96}, 32_768, 65_536)):
+        spec, _, dm = _setup(**shared)
+        act, inputs = moe_titan_compiled.full_ac_backward(
+            spec, dm._replace(compiled=True, rerun=True))
+        assert (act.own_bytes, act.transient_bytes) == (357_392 - freed, 458_752 + waiting)
+        assert (inputs.own_bytes, inputs.transient_bytes) == (217_104 - freed,
+                                                              131_072 + waiting)
+        assert act.grads == (("moe_shared",) if shared else ()) and inputs.grads == ("mlp",)
