@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from memplan.model import compiled
-from memplan.model.dims import COMPLEX64_PAIR_BYTES, FP32_BYTES, Dims, Term
+from memplan.model.dims import FP32_BYTES, Dims, Term
 from memplan.spec import ModelSpec
 from memplan.workload import Recompute, Workload
 
@@ -64,8 +64,7 @@ def _sizes(spec: ModelSpec, dm: Dims) -> tuple[int, int, int, int, int]:
     th = dm.rows * spec.hidden_size * dm.e
     q = dm.tokens * spec.num_attention_heads * spec.head_dim * dm.e
     kv = dm.tokens * spec.num_kv_heads * spec.head_dim * dm.e
-    table = dm.s * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES
-    return th, q, kv, q // dm.e * FP32_BYTES, table
+    return th, q, kv, q // dm.e * FP32_BYTES, compiled._rope_table_bytes(spec, dm)
 
 
 def sac_rerun_rope(spec: ModelSpec, dm: Dims, kept: Sequence[Term],
@@ -190,8 +189,8 @@ def with_full_ac_order(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Work
                        dm: Dims, groups: Mapping[str, int]) -> list[LayerMoment]:
     """Full AC's moments (the SDPA output gradient's hold decided:
     ``compiled.with_sdpa_grad_reuse``) in lpmf's order where Inductor takes it
-    (``with_lpmf_order``), for the layer ``compiled.rebuilt_attention_schedule`` traces. The baseline's estimated peak: the MLP's kernel as its
-    moment (the reshape's fallback counted at two tables, the common offset) or q's RoPE
+    (``with_lpmf_order``), for the layer ``compiled.rebuilt_attention_schedule`` traces.
+    The baseline's estimated peak: the MLP's kernel as its moment (the reshape's fallback counted at two tables, the common offset) or q's RoPE
     backward less dq and the SDPA output's gradient (``compiled.attention_backward_moments``'
     moment with its hold; ``with_sdpa_grad_reuse``). Traced: 2 x 64, the baseline's estimate
     1,893,376 B at q's RoPE backward (memplan's 2,139,136 - 2 x 65,536 less the common

@@ -13,13 +13,8 @@ from __future__ import annotations
 
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
-from memplan.model.moe_titan import EXPERT_BYTES, OFFSET_BYTES, shared_input_freed
-from memplan.spec import ModelSpec, MoESpec
-
-
-def _moe(spec: ModelSpec) -> MoESpec:
-    assert spec.moe is not None, "an MoE block needs spec.moe"
-    return spec.moe
+from memplan.model.moe_titan import EXPERT_BYTES, OFFSET_BYTES, _moe, shared_input_freed
+from memplan.spec import ModelSpec
 
 
 def compiled_forward(spec: ModelSpec, dm: Dims, terms: list[Term],
@@ -128,7 +123,6 @@ def _compiled_shared(spec: ModelSpec, dm: Dims, alive: int) -> list[BackwardMome
                            ("moe_shared",))]
 
 
-
 def router_grad_first(spec: ModelSpec, dm: Dims) -> bool:
     """Whether, in the compiled block's backward, the router's input gradient (its fp32 mm,
     T h x 4, reading the softmax's gradient, T E x 4, and the gate's fp32 weight copy, E h
@@ -147,9 +141,17 @@ def router_grad_first(spec: ModelSpec, dm: Dims) -> bool:
     shared expert (its backward before both) at T = 128 and 256."""
     moe, h = _moe(spec), spec.hidden_size
     routed = dm.tokens * moe.top_k
+    return (_router_grad_net(spec, dm)
+            < routed * h * EXPERT_BYTES - routed * (INDEX_BYTES + FP32_BYTES))
+
+
+def _router_grad_net(spec: ModelSpec, dm: Dims) -> int:
+    """The router's input gradient's bytes made less those it frees (``router_grad_first``):
+    T h x 4 made, the softmax's gradient (T E x 4) and, below fp32, the gate's fp32 weight
+    copy (E h x 4) freed."""
+    moe, h = _moe(spec), spec.hidden_size
     weight = moe.num_experts * h * FP32_BYTES if dm.e < FP32_BYTES else 0
-    router = dm.tokens * (h - moe.num_experts) * FP32_BYTES - weight
-    return router < routed * h * EXPERT_BYTES - routed * (INDEX_BYTES + FP32_BYTES)
+    return dm.tokens * (h - moe.num_experts) * FP32_BYTES - weight
 
 
 def _compiled_routed(spec: ModelSpec, dm: Dims, saved: int,
@@ -196,9 +198,9 @@ def _compiled_routed(spec: ModelSpec, dm: Dims, saved: int,
     routed = dm.tokens * moe.top_k
     f = moe.expert_ffn_hidden_size // dm.experts().tp
     rows, inner = routed * h * EXPERT_BYTES, routed * f * EXPERT_BYTES
-    base = _routed_base(spec, dm, saved)
-    down = moe.num_experts // dm.ep * f * h * EXPERT_BYTES  # w2's weight gradient
     first = router_grad_first(spec, dm)
+    base = _routed_base(spec, dm, saved, first)
+    down = moe.num_experts // dm.ep * f * h * EXPERT_BYTES  # w2's weight gradient
     product = 0 if _product_grad_first(inner, down, first) else inner  # freed before
     inputs = base - 2 * inner - rows  # the product, the gate's output and the rows freed
     return [BackwardMoment("mlp", base - product, waiting + rows + inner, ("mlp_out",)),
@@ -207,7 +209,7 @@ def _compiled_routed(spec: ModelSpec, dm: Dims, saved: int,
             BackwardMoment("mlp_in", inputs, waiting + 2 * rows, ("mlp",))]
 
 
-def _routed_base(spec: ModelSpec, dm: Dims, saved: int) -> int:
+def _routed_base(spec: ModelSpec, dm: Dims, saved: int, router_first: bool) -> int:
     """Of the compiled block's saved set (``saved``), what is alive when the routed experts'
     backward starts (``_compiled_routed``; with a shared expert, of what its backward
     left): freed, the experts'
@@ -215,7 +217,8 @@ def _routed_base(spec: ModelSpec, dm: Dims, saved: int) -> int:
     scatter backward), the gate's fp32 input copy (T h x 4, by its weight gradient's mm:
     lpmf takes that node first, it frees more than it makes) and the sort index (R x 8, by
     the gather of the output's gradient); the fp32 logits' slot (T E x 4) holds the
-    softmax's gradient. Where ``router_grad_first`` the router's input gradient (T h x 4)
+    softmax's gradient. Where ``router_first`` (``router_grad_first``) the router's input
+    gradient (T h x 4)
     is made before them, the softmax's gradient and the gate's fp32 weight copy (E h x 4)
     freed then (else after the experts' last node, their input gradients' add). By hand, 2
     x 64 tokens (T 128, R 256, h 128, E 4, bf16): 589,840 - 65,536 (output) - 2 x 2,048
@@ -227,10 +230,7 @@ def _routed_base(spec: ModelSpec, dm: Dims, saved: int) -> int:
     below = dm.e < FP32_BYTES  # the gate's fp32 copies (``moe_titan.titan_terms``)
     router_in = dm.tokens * h * FP32_BYTES if below else 0
     base = saved - routed * h * EXPERT_BYTES - 2 * routed * INDEX_BYTES - router_in
-    if router_grad_first(spec, dm):
-        weight = moe.num_experts * h * FP32_BYTES if below else 0
-        base += dm.tokens * (h - moe.num_experts) * FP32_BYTES - weight
-    return base
+    return base + (_router_grad_net(spec, dm) if router_first else 0)
 
 
 def _product_grad_first(inner: int, weight: int, router_first: bool) -> bool:

@@ -180,6 +180,7 @@ def canonical(obj: Any) -> str:
     return text
 
 
+@functools.cache
 def _version(distribution: str) -> str:
     try:
         return importlib.metadata.version(distribution)
@@ -437,8 +438,11 @@ def _globals_read(seen: dict[types.CodeType, dict[str, Any]]) -> tuple[set[str],
                 files.update(f for f, v in defined.get(name, ())
                              if type(v) is type(value) and v == value)
             elif not isinstance(value, types.FunctionType):
+                # where it is defined under this name, else under any name
                 same = [f for f, v in defined.get(name, ()) if v is value]
-                files.update(same or [by_id[id(value)]] if same or id(value) in by_id else ())
+                if not same and id(value) in by_id:
+                    same = [by_id[id(value)]]
+                files.update(same)
     return files, classes
 
 
