@@ -51,7 +51,9 @@ def test_a_callers_freeze_and_a_disabled_collector_are_kept(monkeypatch):
     try:
         before = gc.get_freeze_count()
         assert with_older_frozen(_seen)() == (True, before)  # not frozen again, not undone
-        assert gc.get_freeze_count() == before
+        # not unfrozen after (that empties the permanent generation); a frozen object that
+        # died by reference counting meanwhile (a fresh clone's run freed 2) leaves it
+        assert 0 < gc.get_freeze_count() <= before
     finally:
         gc.unfreeze()
     # once seen, never again: the count walks every frozen object
