@@ -643,6 +643,15 @@ def rebuilt_attention_schedule(spec: ModelSpec, wl: Workload, dm: Dims,
             and dm.tp == 1 and dm.s == wl.seq_len and dm.rows == dm.tokens)
 
 
+def attention_sizes(spec: ModelSpec, dm: Dims) -> tuple[int, int, int, int, int]:
+    """(T h, T q, T kv, q's fp32 upcast, the complex64 RoPE table of the layer's positions)
+    in bytes: the tensors of a compiled attention's backward moments."""
+    th = dm.rows * spec.hidden_size * dm.e
+    q = dm.tokens * spec.num_attention_heads * spec.head_dim * dm.e
+    kv = dm.tokens * spec.num_kv_heads * spec.head_dim * dm.e
+    return th, q, kv, q // dm.e * FP32_BYTES, _rope_table_bytes(spec, dm)
+
+
 def attention_backward_moments(spec: ModelSpec, dm: Dims, kept: Sequence[Term] | None = None,
                                ) -> list[tuple[str, int, int, tuple[str, ...]]]:
     """The attention's backward in a compiled layer rebuilt inside the graph
@@ -683,12 +692,8 @@ def attention_backward_moments(spec: ModelSpec, dm: Dims, kept: Sequence[Term] |
     64 one more hold, the MLP's up-projection gradient (T x f) for the q/k/v weight
     gradient, of the same bytes at that size alone (-8.7%); per-op SAC exact at 2 x 64, at
     2 x 96 under by the MLP norm backward's statistics (T fp32), held by reuse there alone."""
-    th = dm.rows * spec.hidden_size * dm.e
-    q = dm.tokens * spec.num_attention_heads * spec.head_dim * dm.e
-    kv = dm.tokens * spec.num_kv_heads * spec.head_dim * dm.e
-    q32 = q // dm.e * FP32_BYTES
+    th, q, kv, q32, table = attention_sizes(spec, dm)
     stats = dm.rows * FP32_BYTES
-    table = dm.s * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES
     common = 2 * th + 2 * th + th + q + stats  # input, wo output, MLP input grads, attn grads
     if kept is None:  # full AC: the attention norm's output and statistics, SDPA's output
         alive = common + th + stats + q
@@ -1254,8 +1259,8 @@ def float8_sac_mlp_casts(linears: Sequence[linear.Linear], spec: ModelSpec, wl: 
     (the incoming gradient's cast is made just before the kernel, under the moments before
     it). At 2 x 64 tokens Inductor orders the backward otherwise (that cast after the
     kernel; the attention's RoPE'd q, k, v rebuilt before it, the kept qkv output freed):
-    memplan 35,068 B over there (+1.74%; +6.66% before). Tensorwise the casts are pointwise kernels after the activation's (``float8_
-    swiglu_casts``): not here."""
+    memplan 35,068 B over there (+1.74%; +6.66% before). Tensorwise the casts are pointwise
+    kernels after the activation's (``float8_swiglu_casts``): not here."""
     rerun = {name for name, *_ in sac_recomputed(spec, wl.fused_qkv or spec.fused_qkv)}
     up, gate, down = linears
     held = sum(lin.d_in * lin.d_out * linear.FLOAT8_BYTES + lin.d_in * dm.e

@@ -58,15 +58,6 @@ def lpmf_defers_mlp_grads(spec: ModelSpec, dm: Dims) -> bool:
     return t * (f + h) < f * h
 
 
-def _sizes(spec: ModelSpec, dm: Dims) -> tuple[int, int, int, int, int]:
-    """(T h, T q, T kv, q's fp32 upcast, the complex64 RoPE table of the layer's positions)
-    in bytes."""
-    th = dm.rows * spec.hidden_size * dm.e
-    q = dm.tokens * spec.num_attention_heads * spec.head_dim * dm.e
-    kv = dm.tokens * spec.num_kv_heads * spec.head_dim * dm.e
-    return th, q, kv, q // dm.e * FP32_BYTES, compiled._rope_table_bytes(spec, dm)
-
-
 def sac_rerun_rope(spec: ModelSpec, dm: Dims, kept: Sequence[Term],
                    ) -> tuple[str, int, int, tuple[str, ...]]:
     """Per-op SAC: the rerun's RoPE of q, after the MLP's backward and its weight gradients
@@ -79,7 +70,7 @@ def sac_rerun_rope(spec: ModelSpec, dm: Dims, kept: Sequence[Term],
     and the table's conjugate (a clone, made before). Traced (Inductor's output code, 2 x 96
     tokens): the backward's peak, 2,427,648 B with the held output for the input and the
     incoming gradient."""
-    th, q, _, q32, table = _sizes(spec, dm)
+    th, q, _, q32, table = compiled.attention_sizes(spec, dm)
     attn = sum(t.size_bytes for t in kept if t.name.startswith("sac.attn."))
     alive = 5 * th + q + attn + dm.rows * FP32_BYTES
     return (RERUN_ROPE, alive, th + 2 * q32 + table, ("mlp",))
@@ -109,7 +100,7 @@ def with_sac_order(moments: Sequence[LayerMoment], spec: ModelSpec, dm: Dims,
     peak), 2,151,168 (q's RoPE backward): k's upcast held (+49,152 <= 2,243,328), neither T q
     buffer (+98,304 > it): the trace's 2,427,648 B at the rerun's RoPE, memplan exact (+5.8%
     before); 2 x 1,024 all three held (the MLP's kernel far above); 2 x 64 in lpmf's order."""
-    _, q, kv, _, table = _sizes(spec, dm)
+    _, q, kv, _, table = compiled.attention_sizes(spec, dm)
     qkv = sum(t.size_bytes for t in kept if t.name == "sac.attn.qkv")
     k32 = kv // dm.e * FP32_BYTES
     rerun = sac_rerun_rope(spec, dm, kept)
@@ -156,7 +147,7 @@ def sac_lpmf_rope(spec: ModelSpec, dm: Dims, groups: Mapping[str, int], kernel: 
     1,832,640 B (less the common offset) against lpmf's peak 2,067,648 at the kernel: the
     three held, 2,171,264 B with the held output, the backward's peak (memplan -1.7%
     without the moment); 2 x 80 the same holds, below lpmf's end."""
-    th, q, kv, q32, table = _sizes(spec, dm)
+    th, q, kv, q32, table = compiled.attention_sizes(spec, dm)
     tf = dm.tokens * spec.ffn_hidden_size * dm.e
     stats = dm.rows * FP32_BYTES
     wo = spec.hidden_size * spec.num_attention_heads * spec.head_dim * dm.stream_e
@@ -190,12 +181,13 @@ def with_full_ac_order(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Work
     """Full AC's moments (the SDPA output gradient's hold decided:
     ``compiled.with_sdpa_grad_reuse``) in lpmf's order where Inductor takes it
     (``with_lpmf_order``), for the layer ``compiled.rebuilt_attention_schedule`` traces.
-    The baseline's estimated peak: the MLP's kernel as its moment (the reshape's fallback counted at two tables, the common offset) or q's RoPE
-    backward less dq and the SDPA output's gradient (``compiled.attention_backward_moments``'
-    moment with its hold; ``with_sdpa_grad_reuse``). Traced: 2 x 64, the baseline's estimate
-    1,893,376 B at q's RoPE backward (memplan's 2,139,136 - 2 x 65,536 less the common
-    114,688), lpmf's 1,852,416 at its end: lpmf; 2 x 96 the baseline's 2,342,400 at the MLP's
-    kernel (lpmf does not defer there)."""
+    The baseline's estimated peak: the MLP's kernel as its moment (the reshape's fallback
+    counted at two tables, the common offset) or q's RoPE backward less dq and the SDPA
+    output's gradient (``compiled.attention_backward_moments``' moment with its hold;
+    ``with_sdpa_grad_reuse``). Traced: 2 x 64, the baseline's estimate 1,893,376 B at q's
+    RoPE backward (memplan's 2,139,136 - 2 x 65,536 less the common 114,688), lpmf's
+    1,852,416 at its end: lpmf; 2 x 96 the baseline's 2,342,400 at the MLP's kernel (lpmf
+    does not defer there)."""
     if not compiled.rebuilt_attention_schedule(spec, wl, dm, Recompute.FULL):
         return list(moments)
     dm = compiled.rerun_dims(dm)
@@ -204,7 +196,7 @@ def with_full_ac_order(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Work
                None)
     if kernel is None or raw is None:
         return list(moments)
-    q = _sizes(spec, dm)[1]
+    q = compiled.attention_sizes(spec, dm)[1]
     rope = raw[1] + raw[2] + dm.stream_e * sum(groups[g] for g in raw[3]) - 2 * q
     return with_lpmf_order(moments, spec, dm, groups, max(_size(kernel, dm, groups), rope))
 
@@ -248,7 +240,7 @@ def with_lpmf_order(moments: Sequence[LayerMoment], spec: ModelSpec, dm: Dims,
     if not lpmf_defers_mlp_grads(spec, dm):
         return list(moments)
     end = type(moments[0])(*mlp_grads_last(spec, dm))
-    table = _sizes(spec, dm)[4]
+    table = compiled.attention_sizes(spec, dm)[4]
     first = [m for m in moments if not m.grads_before and m.name != RERUN_ROPE]
     lpmf = [m._replace(transient_bytes=m.transient_bytes + table) if m.name == _KERNEL else m
             for m in first] + [end]

@@ -36,7 +36,8 @@ from memplan.model.attention import (
     held_weights_bytes,
     windowed,
 )
-from memplan.model import compiled, compiled_order, linear, sac_conv, sac_falcon, sac_mamba, sac_moe, sac_ops
+from memplan.model import (compiled, compiled_order, linear, sac_conv, sac_falcon, sac_mamba,
+                           sac_moe, sac_ops)
 from memplan.model.deltanet import cache_states_bytes
 from memplan.model.block import BackwardMoment, Block
 from memplan.model.deltanet import DeltaNet, deltanet_linears

@@ -12,6 +12,7 @@ layer's own are the tensors saved for backward, with their sizes from the fake v
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -73,13 +74,15 @@ def _record(rows: list[list[SavedTensor]]):
         fw, bw = original(gm, joint_inputs, **kwargs)
         outputs = next(iter(fw.graph.find_nodes(op="output"))).args[0]
         saved = []
+        symbols: dict[str, str] = {}
         for node in outputs[kwargs["num_fwd_outputs"]:]:
             value = node.meta.get("val")
             if not isinstance(value, torch.Tensor):
                 continue  # symbolic sizes, RNG seeds
             numel = int(value.numel()) if all(isinstance(d, int) for d in value.shape) else 0
             # a symbolic size as its text ("u0"): the record holds no live shape environment
-            shape = tuple(d if isinstance(d, int) else str(d) for d in value.shape)
+            shape = tuple(d if isinstance(d, int) else _symbol_text(d, symbols)
+                          for d in value.shape)
             saved.append(SavedTensor(node.name, str(node.target), shape,
                                      str(value.dtype).removeprefix("torch."),
                                      numel * value.element_size(), node.op == "placeholder",
@@ -88,6 +91,21 @@ def _record(rows: list[list[SavedTensor]]):
         return fw, bw
 
     return compile_fx, original, recording
+
+
+def _symbol_text(size: Any, names: dict[str, str]) -> str:
+    """A symbolic size's text with its symbols numbered in the order this graph's saved set
+    first shows them (``u0``, ``s0``, ...): the shape environment numbers them across the
+    process (``s18`` in one run is ``s43`` in another), so the same graph reads the same."""
+    def rename(match: re.Match) -> str:
+        prefix = match.group(1)
+        key = match.group(0)
+        if key not in names:
+            taken = sum(1 for v in names.values() if re.fullmatch(rf"{prefix}\d+", v))
+            names[key] = f"{prefix}{taken}"
+        return names[key]
+
+    return re.sub(r"\b([a-z]+)(\d+)\b", rename, str(size))
 
 
 def _layer(config: dict, dtype_name: str, batch: int, seq: int):
