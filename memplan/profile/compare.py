@@ -81,14 +81,14 @@ def traced_layout(par: ParallelConfig) -> ParallelConfig:
 
 
 def compare(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 2,
-            fake: bool = True, trace: Callable[..., TraceResult] = run_trace) -> Comparison:
+            fake: bool = True, trace: Callable[..., TraceResult] | None = None) -> Comparison:
     """The reference model's trace of ``spec`` on rank 0 of ``par`` next to memplan's estimate.
     ``trace`` stands in for ``run_trace`` (the same arguments: a kept trace,
     tests/traced/recorded.py)."""
     par = traced_layout(par)
     if steps < 2:
         raise ValueError(f"steps must be at least 2 (first step and steady state), got {steps}")
-    result = trace(spec, par, wl, steps=steps, fake=fake)
+    result = (trace or run_trace)(spec, par, wl, steps=steps, fake=fake)
     est = estimate(spec, load_gpu(DEFAULT_GPU), par, wl, overheads=no_overheads())
     return Comparison(spec, par, wl, rows(result, est.stages[0]), result, est)
 

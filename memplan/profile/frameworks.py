@@ -298,7 +298,7 @@ TraceFn = Callable[..., tuple[Any, TraceResult]]
 
 
 def compare_framework(case: FrameworkCase, *, fake: bool | None = None,
-                      steps: int = 2, trace: TraceFn = trace_case) -> Comparison:
+                      steps: int = 2, trace: TraceFn | None = None) -> Comparison:
     """Trace ``case`` and compare it with memplan's estimate. Raises ``MemplanError`` when the
     recipe is not a memplan precision. ``trace`` stands in for ``trace_case`` (the same
     arguments; its first value needs only the ``Built`` fields ``compare_built`` reads: a
@@ -308,17 +308,17 @@ def compare_framework(case: FrameworkCase, *, fake: bool | None = None,
     rec = recipe(case.recipe)
     if not rec.available:
         raise MemplanError(f"precision {rec.name!r} is not in memplan's workload yet")
-    built, result = trace(case, fake=fake, steps=steps)
+    built, result = (trace or trace_case)(case, fake=fake, steps=steps)
     return compare_built(built, result)
 
 
 def fake_real_check(case: FrameworkCase, steps: int = 2,
-                    trace: TraceFn = trace_case) -> list[Row]:
+                    trace: TraceFn | None = None) -> list[Row]:
     """The same case on fake and on real tensors: one row per traced quantity (measured: real,
     estimated: fake). Every diff zero means fake tensors trace this library faithfully.
     ``trace``: as ``compare_framework``'s."""
-    _, real = trace(case, fake=False, steps=steps)
-    _, fake = trace(case, fake=True, steps=steps)
+    _, real = (trace or trace_case)(case, fake=False, steps=steps)
+    _, fake = (trace or trace_case)(case, fake=True, steps=steps)
     out = [Row("params_bytes", real.params_bytes, fake.params_bytes)]
     for label, r, f in (("first_step", real.first, fake.first),
                         ("steady", real.steady, fake.steady)):
