@@ -1102,12 +1102,19 @@ def float8_lpmf_grad_in_first(spec: ModelSpec, wl: Workload, dm: Dims,
     over before); 2 x 256 lpmf 22 B above (5,263,422; memplan's the same): the baseline; 2 x
     64 the baseline (memplan's lpmf 122,902 B above). With fused wqkv lpmf runs the
     attention's backward before the MLP's grad-input matmuls and its estimate peaks there
-    (2 x 1,024: 20,627,492 B against the baseline's 19,873,820): the baseline, None here."""
+    (2 x 1,024: 20,627,492 B against the baseline's 19,873,820): the baseline, None here.
+    Rebuilt under full AC (the checkpoint inside the graph) Inductor keeps the baseline
+    (traced, separate q/k/v, 2 x 1,024: 21,512,234 B, the fused block's peak; with this
+    moment memplan was 3.5% under): None. Under per-op SAC Inductor takes lpmf (its log, 2 x
+    1,024: 19,259,454 B against the baseline's 20,193,324; 2 x 256: 5,244,990 against
+    5,392,428), whose order of the rebuilt block is not modelled: this moment stands for it,
+    over the traced peaks (19,914,814 B, +4.2%; 5,408,830 B, +5.8%), the baseline's moment
+    further over (the fused block's 21,504,030 B at 2 x 1,024: +8%)."""
     h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size  # ``attention.attention_linears``
     attn = (linear.Linear("q", "attn", h, q), linear.Linear("k", "attn", h, kv),
             linear.Linear("v", "attn", h, kv), linear.Linear("o", "attn_out", q, h))
     if not (dm.float8 is Float8Recipe.TENSORWISE and not (wl.fused_qkv or spec.fused_qkv)
-            and wl.rope_cache is RopeCache.LAYER and spec.position is PositionKind.ROPE
+            and wl.recompute is not Recompute.FULL and wl.rope_cache is RopeCache.LAYER and spec.position is PositionKind.ROPE
             and dm.tp == 1 and dm.rows == dm.tokens
             and all(linear.float8_converts(lin, dm) for lin in (*attn, *linears))):
         return None

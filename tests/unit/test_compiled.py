@@ -762,3 +762,23 @@ def test_float8_lpmf_grad_in_first(seq: int, fused: bool, first: int | None,
     product = 2 * seq * 768 * 2
     assert kernel.transient_bytes == product + (first if lpmf else 4 * (2 * seq * 768 + 4))
     assert kernel.grads == (() if lpmf else ("mlp_out",))
+
+
+def test_float8_lpmf_grad_in_first_leaves_full_ac_out() -> None:
+    """Rebuilt under full AC Inductor keeps its baseline order for torchtitan's block with
+    separate q/k/v (traced: tests/traced/test_compile_trace.py
+    ``test_compiled_float8_separate_qkv_rebuilt``): no lpmf moment; per-op SAC keeps it (the
+    2 x 1,024 value of ``test_float8_lpmf_grad_in_first``, 5,931,028 B)."""
+    from memplan.model import compiled
+    from memplan.model.mlp import mlp_linears
+
+    spec = _titan_toy(1024, False)
+    linears = mlp_linears(spec, spec.ffn_hidden_size)
+    found = {}
+    for recompute in (Recompute.FULL, Recompute.SELECTIVE):
+        wl = Workload(micro_batch_size=2, seq_len=1024, precision="bf16-pure", compile=True,
+                      rope_cache="layer", float8="tensorwise", recompute=recompute,
+                      selective_impl="op")
+        dm = Dims.of(spec, ParallelConfig(), wl)
+        found[recompute] = compiled.float8_lpmf_grad_in_first(spec, wl, dm, linears)
+    assert found == {Recompute.FULL: None, Recompute.SELECTIVE: 5_931_028}
