@@ -60,7 +60,7 @@ from memplan.parallel import (
     zero_offload,
 )
 from memplan.spec import ModelSpec
-from memplan.workload import DeltaNetKernel, Framework, MambaKernel, Recompute, Workload
+from memplan.workload import DeltaNetKernel, Framework, MambaKernel, MoeImpl, Recompute, Workload
 
 # PHASES, PhasePeaks and StageMemory are defined with the stage walk and re-exported here,
 # beside the Estimate that holds them.
@@ -463,7 +463,7 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
          "gradients freed after each optimizer step (zero_grad(set_to_none=True))"),
         "MoE routing balanced across experts (no capacity drop, no imbalance)",
         *adapters.assumptions(wl),
-        *_compile_float8_lines(wl),
+        *_compile_float8_lines(spec, wl),
         *((_PIPELINE_BUFFERS_LINE,) if par.pp > 1 and wl.pipeline_buffers.value == "torch"
           else ()),
         *fsdp1.assumptions(spec, par, wl),
@@ -500,7 +500,7 @@ _PIPELINE_BUFFERS_LINE = (
     "1's metadata inference")
 
 
-def _compile_float8_lines(wl: Workload) -> tuple[str, ...]:
+def _compile_float8_lines(spec: ModelSpec, wl: Workload) -> tuple[str, ...]:
     """What the output says of ``Workload.compile``, ``float8`` and ``async_tp``, each modelled
     where the layer model reads it."""
     lines = []
@@ -512,6 +512,9 @@ def _compile_float8_lines(wl: Workload) -> tuple[str, ...]:
             + ("; the activation checkpoint around the compiled layer" if
                wl.compile_in_checkpoint else "")
             + ("; the cross-entropy compiled" if wl.compile_loss else ""))
+        if (spec.moe is not None and wl.moe_impl is MoeImpl.TITAN
+                and wl.recompute is Recompute.FULL):
+            lines.append(TITAN_MOE_FULL_AC_LINE)
     if wl.float8.value != "none":
         lines.append(
             f"float8 linears ({wl.float8.value} scaling; torchao convert_to_float8_training "
@@ -522,6 +525,16 @@ def _compile_float8_lines(wl: Workload) -> tuple[str, ...]:
         lines.append("async TP (Inductor's micro-pipelined all-gather and reduce-scatter "
                      "matmuls): step time only, memory as plain tensor parallelism")
     return tuple(lines)
+
+
+# (memplan.model.moe_titan_compiled.full_ac_backward; tests/traced/test_compile_trace.py
+# test_compiled_titan_moe_block_under_full_ac)
+TITAN_MOE_FULL_AC_LINE = (
+    "torchtitan's compiled MoE block inside full AC: its backward from Inductor's order "
+    "(traced exact, routed experts alone and with a shared expert); its forward inside the "
+    "checkpoint counted as the block's no-recompute working set, above the traced forward "
+    "(+73% to +145% of the block's own forward peak at 2 x 64 to 2 x 256 tokens): the forward "
+    "phase's peak over, never under")
 
 
 # A configuration asked again (a sweep run twice, a notebook cell re-run, the same candidate in

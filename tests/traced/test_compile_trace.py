@@ -1419,9 +1419,11 @@ def test_compiled_titan_moe_block_under_full_ac(width: int, seq: int, forward: i
     shared width; replayed from the wrapper code, routed alone, 2 x 64 and 2 x 128 peak at
     up's grouped matmul (the ffn norm's fp32 output, the gathered rows, gate's and up's
     outputs) as traced; 2 x 256 and the shared expert's forwards peak inside an op the
-    wrapper does not show (the CPU harness's extern kernels' own buffers: not located). The
-    shared expert is refused under full AC for that forward
-    (``parallel._compile_titan_moe_refusal``)."""
+    wrapper does not show (the CPU harness's extern kernels' own buffers: not located).
+    memplan's forward stays below its backward (the same rebuilt set and the gradients), so
+    the step's peak is the backward's; the output says the forward is over
+    (``memplan.model.estimate.TITAN_MOE_FULL_AC_LINE``) and the layout is estimated, with a
+    shared expert too (``parallel._compile_titan_moe_refusal``)."""
     from memplan.parallel import validate
     from recorded import compiled_layer_step  # tests/traced/recorded.py
 
@@ -1445,16 +1447,19 @@ def test_compiled_titan_moe_block_under_full_ac(width: int, seq: int, forward: i
     assert (traced_forward, traced_backward) == (forward, backward)
     assert _model_backward(kind, groups, 2) - stream == backward
     assert kind.forward_peak_bytes - stream > forward  # over, not under (docstring)
-    if width:
-        from memplan.errors import LayoutError
-        from memplan.profile.frameworks import torchtitan_moe_config, torchtitan_moe_spec
+    assert kind.forward_peak_bytes - stream < backward  # the step peaks in backward
+    from memplan.hardware import load_gpu
+    from memplan.model.estimate import TITAN_MOE_FULL_AC_LINE, estimate
+    from memplan.overheads import no_overheads
+    from memplan.profile.frameworks import torchtitan_moe_config, torchtitan_moe_spec
 
-        spec = torchtitan_moe_spec(torchtitan_moe_config(**fields, seq_len=seq), name)
-        wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="bf16-pure",
-                      compile=True, moe_impl="titan", framework="torchtitan",
-                      rope_cache="layer-cossin", recompute=Recompute.FULL)
-        with pytest.raises(LayoutError, match="shared experts and recompute full"):
-            validate(spec, ParallelConfig(), wl)
+    spec = torchtitan_moe_spec(torchtitan_moe_config(**fields, seq_len=seq), name)
+    wl = Workload(micro_batch_size=BATCH, seq_len=seq, precision="bf16-pure",
+                  compile=True, moe_impl="titan", framework="torchtitan",
+                  rope_cache="layer-cossin", recompute=Recompute.FULL)
+    validate(spec, ParallelConfig(), wl)
+    est = estimate(spec, load_gpu("h100-sxm"), ParallelConfig(), wl, overheads=no_overheads())
+    assert TITAN_MOE_FULL_AC_LINE in est.assumptions
 
 
 @pytest.mark.parametrize("config,dtype,cache_dtype,cache_bytes", [
