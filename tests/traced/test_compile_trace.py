@@ -1163,6 +1163,40 @@ def test_compiled_post_norm_layer_matches_trace(checkpoint: str, saved: int, for
 GEMMA2 = hf("gemma-2-9b", **GEMMA2_TOY)
 
 
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh"])
+def test_compiled_geglu_rebuilt_after_pre_norms(act: str) -> None:
+    """transformers' ``GemmaDecoderLayer`` (Gemma 1: pre norms, GeGLU with exact or tanh
+    GELU; h 256, 8 heads of 32, all KV heads, ffn 896) in bf16, compiled, the checkpoint
+    inside the graph, 2 x 256 tokens (T 512, one kernel per scheduler node, GPU realization
+    rules). The backward peaks at the MLP's fused kernel as in a SwiGLU layer
+    (``compiled.swiglu_backward``): gate's and up's rerun matmuls and the product's gradient
+    matmul made, the kernel writes the product and the two input gradients, the down weight's
+    gradient after it. By hand, S = T h 2 = 262,144, F = T f 2 = 917,504, r = T 4 = 2,048:
+    the rebuilt attention side 9 S (the input's held place, the incoming gradient, the input
+    norm's output, RoPE'd q and k, v, SDPA's output, the output projection's output, the MLP
+    norm's output) + 2 r + the logsumexp 2 x 8 x 256 x 4 = 16,384, and six F: 7,884,800 B
+    (memplan 7,163,904 before, the eager order's moments: -9.1%)."""
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
+
+    s, f, r = 262_144, 917_504, 2_048
+    backward = 9 * s + 2 * r + 16_384 + 6 * f
+    assert backward == 7_884_800
+    config = hf("gemma-7b", **GEMMA2_TOY | {"num_key_value_heads": 8, "hidden_act": act})
+    batch, seq = 2, 256
+    spec = spec_from_hf_dict(config, "gemma-toy", "gemma-toy")
+    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure", compile=True,
+                  recompute=Recompute.FULL)
+    validate(spec, ParallelConfig(), wl)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, Recompute.FULL)
+    assert _model_backward(kind, grad_group_params(spec, 1, 1, False), 2) - s == backward
+    _, _, traced = compiled_layer_step(config, "bfloat16", batch, seq, checkpoint="full",
+                                       gpu_realize=True)
+    assert traced == backward
+
+
 def test_compiled_sandwich_layer_matches_trace() -> None:
     """transformers' ``Gemma2DecoderLayer`` (sandwich norms: input, post-attention,
     pre-feedforward, post-feedforward RMSNorms scaling by 1 + weight in fp32; GeGLU with
