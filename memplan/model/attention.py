@@ -61,7 +61,11 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
         # no cache: SDPA saves v, a view of the fused projection's output, which keeps it
         # alive whole (its q and k parts here; q and k are RoPE's new tensors)
         terms.append(Term("attn.qkv_pinned", dm.tokens * (spec.q_size + spec.kv_size) // t * e))
-    if head_major_core(spec, wl, recompute):
+    if head_major_core(spec, wl, recompute) and not (wl.compile and dm.rerun):
+        # compiled and rebuilt inside the graph, the copy is remade for the output
+        # projection's weight gradient, after the MLP's backward (traced: Phi-4-mini's
+        # layer under full AC, tests/traced/test_compile_trace.py
+        # ``test_compiled_fused_gate_up_layer``: not alive at the MLP's kernel, the peak)
         terms.append(Term("attn.core_out", dm.tokens * spec.q_size // t * e))
     if recompute is Recompute.NONE:
         if wl.attention is Kernel.FLASH:
@@ -219,8 +223,14 @@ def head_major_core(spec: ModelSpec, wl: Workload, recompute: Recompute) -> bool
     (``memplan.model.eager``). Partial rotary embeddings concatenate the rotated channels
     with the others (GLM-4's ``apply_rotary_pos_emb``: ``torch.cat([q_embed, q_pass],
     dim=-1)``), a new contiguous head-major q whatever q's own layout (traced:
-    tests/traced/test_hf_moe_families.py glm4, glm4_moe)."""
-    return ((spec.fused_qkv or spec.rotary_dim is not None)
+    tests/traced/test_hf_moe_families.py glm4, glm4_moe). Compiled, Inductor lays out the
+    rotate-half's pointwise output itself, token-major: SDPA's output is too, the reshape a
+    view, one tensor (traced: tests/traced/test_compile_trace.py
+    ``test_compiled_fused_gate_up_layer``, Phi-3's layer, bf16, no recompute: SDPA's output
+    saved, no copy); a ``torch.cat`` keeps its head-major output, so partial rotary
+    embeddings still save both (Phi-4-mini's layer, the same test: SDPA's output and the
+    copy)."""
+    return ((spec.fused_qkv and not wl.compile or spec.rotary_dim is not None)
             and spec.position is PositionKind.ROPE
             and wl.attention is Kernel.FLASH and wl.rope_cache is RopeCache.FORWARD
             and wl.attention_impl is AttentionImpl.GENERIC and recompute is Recompute.NONE)

@@ -237,9 +237,12 @@ def checkpointed_mlp_working_bytes(spec: ModelSpec, dm: Dims,
     and bf16 inside full checkpointing (the forward's peak at up's matmul: the layer's input,
     the output projection's output, which the residual sums are recomputed from, the MLP
     norm's output, gate and up), as ``autocast_checkpointed_forward_bytes`` under autocast
-    less its down-weight cast. None elsewhere: under autocast (that function), a fused
-    gate/up projection, an activation formula of several ops (gelu_new, xIELU), or adapters
-    (untraced). With torchao's ``Float8Linear``s (``float8_gate_held``) the kernel writes
+    less its down-weight cast. A fused gate/up projection (``_fused_gate_up_kernel``): the
+    product's kernel beside the fused output, three T x f / t less the norm's output, freed
+    (traced: Phi-3's layer, bf16, 2 x 256 tokens: the o_proj output, the fused output and the
+    product, 3,019,712 B with the CPU generator's state, memplan 5,056 B under as for the
+    separate projections). None elsewhere: under autocast (that function), an activation
+    formula of several ops (gelu_new, xIELU), or adapters (untraced). With torchao's ``Float8Linear``s (``float8_gate_held``) the kernel writes
     the product's float8 cast for the down projection (``hp_tensor_to_float8_dynamic`` fused
     in: T x f / t float8 and its scales) and no bf16 product, beside gate and up (traced:
     benchmarks/compiled_backward.py, torchtitan's block, torchao 0.18.0, full recompute at
@@ -251,9 +254,34 @@ def checkpointed_mlp_working_bytes(spec: ModelSpec, dm: Dims,
         scales = dm.tokens if dm.float8 is Float8Recipe.ROWWISE else 1
         return (2 * elements * dm.e + elements * linear.FLOAT8_BYTES
                 + scales * linear.FLOAT8_SCALE_BYTES)
-    if not _plain_gated(spec, dm) or any(linear.float8_converts(lin, dm) for lin in linears):
+    if any(linear.float8_converts(lin, dm) for lin in linears):
         return None
-    return 2 * dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    if _fused_gate_up_kernel(spec, dm) and not dm.autocast:
+        # one gate/up buffer (2 T x f / t) whose halves the kernel reads: the product gets a
+        # buffer of its own (no in-place reuse: not the size of its input), the MLP norm's
+        # output freed by then (its last reader the fused matmul): the product's kernel,
+        # beside that output's place (``fused_gate_up_forward``)
+        return max(2 * inner, 3 * inner - dm.rows * spec.hidden_size * dm.e)
+    if not _plain_gated(spec, dm):
+        return None
+    return 2 * inner
+
+
+def _fused_gate_up_kernel(spec: ModelSpec, dm: Dims) -> bool:
+    """A compiled gated MLP with one fused gate/up projection (Phi-3's ``gate_up_proj``,
+    ``chunk(2, dim=-1)``), the activation one aten op, plain linears: ``_gated_kernel``'s
+    conditions but for the fused projection. Traced: tests/traced/test_compile_trace.py
+    ``test_compiled_fused_gate_up_layer``, Phi-3's layer in bf16 at 2 x 256 tokens: without
+    recompute the eager order's moments (the down weight's gradient first, the product freed,
+    its gradient, then the kernel writing the fused gradient beside the saved gate/up output,
+    2 T x f more) are the trace's, exact; rebuilt inside the graph the SwiGLU kernels'
+    (``swiglu_moments``: the rerun's gate/up matmul, the product's gradient, the kernel
+    writing the product and the fused gradient: six T x f), exact; its checkpointed forward
+    peaks at the product's kernel (``checkpointed_mlp_working_bytes``)."""
+    return (dm.compiled and spec.mlp.gated and spec.fused_gate_up
+            and spec.activation_impl is ActivationImpl.KERNEL and dm.adapters is None
+            and dm.te_fp8 is TeFp8Recipe.NONE)
 
 
 def _plain_gated(spec: ModelSpec, dm: Dims) -> bool:
@@ -306,7 +334,8 @@ def swiglu_backward(spec: ModelSpec, dm: Dims, recompute: Recompute) -> bool:
     writing the product and both input gradients (six T x f beside the rebuilt set), the
     down projection's weight gradient after it: 7,884,800 B traced, memplan exact (the eager
     order's moments were 9.1% under)."""
-    return (_gated_kernel(spec, dm)
+    return ((_gated_kernel(spec, dm)
+             or _fused_gate_up_kernel(spec, dm) and dm.rerun and not dm.autocast)
             and spec.mlp in (MlpKind.SWIGLU, MlpKind.GEGLU)
             and spec.dropout == 0
             and dm.float8 is Float8Recipe.NONE and recompute is Recompute.NONE)

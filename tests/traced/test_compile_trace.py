@@ -1197,6 +1197,77 @@ def test_compiled_geglu_rebuilt_after_pre_norms(act: str) -> None:
     assert traced == backward
 
 
+# (model, KV heads, checkpoint, forward peak, backward peak), the toy widths of
+# ``test_compiled_fused_gate_up_layer``
+FUSED_GATE_UP = [("Phi-3-mini-4k-instruct", 8, "none", 5_394_432, 7_688_192),
+                 ("Phi-3-mini-4k-instruct", 8, "full", 3_019_712, 8_409_088),
+                 ("Phi-4-mini-instruct", 2, "none", 5_066_752, 7_360_512),
+                 ("Phi-4-mini-instruct", 2, "full", 3_019_712, 7_819_264)]
+
+
+@pytest.mark.parametrize("model,kv,checkpoint,forward,backward", FUSED_GATE_UP)
+def test_compiled_fused_gate_up_layer(model: str, kv: int, checkpoint: str, forward: int,
+                                      backward: int) -> None:
+    """transformers' Phi-3 layer (fused qkv_proj and gate_up_proj, full rotate-half RoPE) and
+    Phi-4-mini's (the same, RoPE on 3/4 of each head: ``torch.cat``), h 256, 8 heads of 32,
+    ``kv`` KV heads, ffn 896, bf16, compiled, at 2 x 256 tokens (T 512, one kernel per
+    scheduler node, GPU realization rules). By hand, S = T h 2 = 262,144, F = T f 2 =
+    917,504, W = h f 2 = 458,752, r = T 4 = 2,048, the logsumexp 2 x 8 x 256 x 4 = 16,384;
+    v is a view of the fused qkv output, which stays whole (Phi-3: 3 S, Phi-4-mini: 1.5 S):
+
+    - no recompute, forward (the output in the input's place): the input norm's output S,
+      the qkv storage, RoPE'd q S and k (S, S / 4), SDPA's output S, the o_proj output S
+      (the residual recomputed from it), the MLP norm's output S, the gate/up output 2 F,
+      the product F, 2 r, the logsumexp, the output S; Phi-4-mini also the reshape's copy of
+      SDPA's head-major output S (its q made by ``torch.cat``; Phi-3's rotate-half output
+      is laid out token-major by Inductor: no copy, ``attention.head_major_core``): Phi-3 10
+      S + 3 F + 2 r + 16,384 = 5,394,432, Phi-4-mini 8.75 S + ... = 5,066,752. Backward:
+      the down weight's gradient W, the product freed for its gradient F, then the kernel
+      writing the fused gradient 2 F beside the fused output: + W + 2 F.
+    - full recompute (the checkpoint inside the graph), forward at the product's kernel: the
+      o_proj output S, the fused output 2 F and the product F (no in-place reuse: not the
+      fused buffer's size), the MLP norm's output freed: 3 F + S = 3,014,656, the trace
+      5,056 B more (the CPU generator's state, as for separate projections). Backward at the
+      SwiGLU kernels' moment (``compiled.swiglu_moments``): the rebuilt attention side (the
+      input's held place, the incoming gradient, the input norm's output, the qkv storage,
+      q, k, SDPA's output, the o_proj output, the MLP norm's output: Phi-3 11 S, Phi-4-mini
+      8.75 S; 2 r, the logsumexp) and six F (the rerun's fused output, the product's
+      gradient, the kernel's product and fused gradient): Phi-3 8,409,088 B, Phi-4-mini
+      7,819,264 B.
+
+    Before: Phi-3's saved set counted the reshape's copy (+S), its full-recompute backward
+    in the eager order (-5.5% at Phi-3, -5.9% at Phi-4-mini) and its forward as eager's
+    (+38.9%)."""
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
+
+    s, f, w, r, lse = 262_144, 917_504, 458_752, 2_048, 16_384
+    phi3 = model.startswith("Phi-3")
+    if checkpoint == "none":
+        by_hand = (10 * s if phi3 else 8.75 * s) + 3 * f + 2 * r + lse
+        assert (by_hand, by_hand + w + 2 * f) == (forward, backward)
+    else:
+        assert 3 * f + s + 5_056 == forward
+        assert (11 * s if phi3 else 8.75 * s) + 2 * r + lse + 6 * f == backward
+    config = hf(model, num_hidden_layers=2, hidden_size=256, intermediate_size=896,
+                num_attention_heads=8, num_key_value_heads=kv, head_dim=32, vocab_size=1000)
+    batch, seq = 2, 256
+    spec = spec_from_hf_dict(config, "phi-toy", "phi-toy")
+    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
+    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure", compile=True,
+                  recompute=recompute)
+    validate(spec, ParallelConfig(), wl)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, recompute)
+    model_forward = kind.forward_peak_bytes - s
+    assert model_forward == forward - (5_056 if checkpoint == "full" else 0)
+    assert _model_backward(kind, grad_group_params(spec, 1, 1, False), 2) - s == backward
+    _, traced_forward, traced_backward = compiled_layer_step(
+        config, "bfloat16", batch, seq, checkpoint=checkpoint, gpu_realize=True)
+    assert (traced_forward, traced_backward) == (forward, backward)
+
+
 def test_compiled_sandwich_layer_matches_trace() -> None:
     """transformers' ``Gemma2DecoderLayer`` (sandwich norms: input, post-attention,
     pre-feedforward, post-feedforward RMSNorms scaling by 1 + weight in fp32; GeGLU with
