@@ -403,7 +403,7 @@ def with_deferred_mlp(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workl
 
 def swiglu_moments(wl: Workload, dm: Dims, saved: int, inner: int, grad_inputs: int,
                    fresh: int, out_cast: int = 0, whole: bool = False,
-                   post_grad: int = 0) -> list[BackwardMoment]:
+                   post_grad: int = 0, scaled_grad: int = 0) -> list[BackwardMoment]:
     """A compiled SwiGLU MLP's backward as Inductor schedules it (one kernel per scheduler
     node, as a GPU backend launches them; traced on CPU: benchmarks/compiled_backward.py,
     torchtitan 0.3's block and transformers' layer at 2 x 1,024 tokens): the activation's and
@@ -439,9 +439,21 @@ def swiglu_moments(wl: Workload, dm: Dims, saved: int, inner: int, grad_inputs: 
     projection's grad-input matmul; the down projection's moment is that matmul's, the
     product freed by the weight gradient's matmul before it and its gradient made (traced:
     transformers' OLMo 2 layer, bf16, 2 x 1,024 tokens, without recompute and rebuilt: the
-    product's gradient in the product's buffer, ``buf31 = buf23  # reuse``)."""
+    product's gradient in the product's buffer, ``buf31 = buf23  # reuse``). ``scaled_grad``:
+    with a scaled residual (``ModelSpec.scaled_residual``, Granite's ``residual +
+    hidden_states * residual_multiplier``) the down projection's output gradient is the
+    incoming gradient times the multiplier, a rows x h tensor of its own made first
+    (``cpp_fused_mul_view_0``): not rebuilt, alive until the down projection's grad-input
+    matmul, as ``post_grad``; rebuilt, through the kernel until the down weight's gradient
+    after it (its buffer then reused for up's input gradient). Traced: transformers'
+    Granite layer, bf16, 2 x 256 tokens: rebuilt 7,753,728 B, memplan exact (one rows x h
+    under before, -3.4%); not rebuilt exact either way (never the peak)."""
     freed, cast = autocast_grads(dm, grad_inputs // 2, out_cast)
     rebuilt = dm.rerun and not in_checkpoint(wl) and not whole
+    if not rebuilt:
+        post_grad += scaled_grad
+        scaled_grad = 0
+    cast += scaled_grad  # alive over the same kernels as the incoming gradient's cast
     last = BackwardMoment("mlp_in", 0, grad_inputs + inner, ("mlp",), fresh)
     if not rebuilt and down_grad_deferred(dm, inner, cast, fresh):
         # gate freed by the kernel, its gradient and up's (in up's buffer) kept for the

@@ -557,7 +557,8 @@ class Mlp:
                 wl, dm, total(terms), inner, 2 * rows_h_e, fresh,
                 linear.saved_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm),
                 compiled.rerun_whole_mlp(spec, dm),
-                rows_h_e if spec.norm_placement.post_norm else 0)
+                rows_h_e if spec.norm_placement.post_norm else 0,
+                rows_h_e if spec.scaled_residual else 0)
         # a plain MLP has one input projection: nothing to sum
         moments = backward_moments(
             spec, dm, saved=total(terms),

@@ -1268,6 +1268,53 @@ def test_compiled_fused_gate_up_layer(model: str, kv: int, checkpoint: str, forw
     assert (traced_forward, traced_backward) == (forward, backward)
 
 
+@pytest.mark.parametrize("checkpoint,backward", [("none", 5_853_184), ("full", 7_753_728)])
+def test_compiled_scaled_residual_layer(checkpoint: str, backward: int) -> None:
+    """transformers' Granite layer (``residual + hidden_states * residual_multiplier``:
+    ``ModelSpec.scaled_residual``; h 256, 8 heads of 32, 2 KV heads, ffn 896) in bf16,
+    compiled, at 2 x 256 tokens (T 512, one kernel per scheduler node, GPU realization
+    rules). The backward first makes the down projection's output gradient, the incoming
+    gradient times the multiplier, a T x h tensor of its own (``compiled.swiglu_moments``'
+    ``scaled_grad``). By hand, S = T h 2 = 262,144, F = T f 2 = 917,504, W = h f 2 =
+    458,752, r = T 4 = 2,048, the logsumexp 2 x 8 x 256 x 4 = 16,384:
+
+    - no recompute: the forward's saved set with the output 4,476,928 B (as Llama's); the
+      scaled gradient is freed at the down projection's grad-input matmul, before the
+      kernel, where the product (freed by the weight gradient), its gradient F and the
+      gate's F are: 4,476,928 - F + 2 F + W = 5,853,184 B, exact either way;
+    - full recompute (the checkpoint inside the graph): the rebuilt attention side (the
+      input's held place, the incoming gradient, the input norm's output, RoPE'd q, k and v
+      (S, S / 4, S / 4), SDPA's output, the o_proj output, the MLP norm's output: 7.5 S; 2 r,
+      the logsumexp) and the scaled gradient S, alive through the kernel to the down
+      weight's gradient, beside six F: 8.5 S + 2 r + 16,384 + 6 F = 7,753,728 B (memplan
+      7,491,584 before, -3.4%)."""
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
+
+    s, f, w, r, lse = 262_144, 917_504, 458_752, 2_048, 16_384
+    if checkpoint == "none":
+        assert 4_476_928 + f + w == backward
+    else:
+        assert 8.5 * s + 2 * r + lse + 6 * f == backward
+    config = hf("granite-3.3-8b-instruct", num_hidden_layers=2, hidden_size=256,
+                intermediate_size=896, num_attention_heads=8, num_key_value_heads=2,
+                head_dim=32, vocab_size=1000)
+    batch, seq = 2, 256
+    spec = spec_from_hf_dict(config, "granite-toy", "granite-toy")
+    assert spec.scaled_residual
+    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
+    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure", compile=True,
+                  recompute=recompute)
+    validate(spec, ParallelConfig(), wl)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, recompute)
+    assert _model_backward(kind, grad_group_params(spec, 1, 1, False), 2) - s == backward
+    _, _, traced = compiled_layer_step(config, "bfloat16", batch, seq, checkpoint=checkpoint,
+                                       gpu_realize=True)
+    assert traced == backward
+
+
 def test_compiled_sandwich_layer_matches_trace() -> None:
     """transformers' ``Gemma2DecoderLayer`` (sandwich norms: input, post-attention,
     pre-feedforward, post-feedforward RMSNorms scaling by 1 + weight in fp32; GeGLU with
