@@ -407,8 +407,7 @@ def swiglu_moments(wl: Workload, dm: Dims, saved: int, inner: int, grad_inputs: 
     """A compiled SwiGLU MLP's backward as Inductor schedules it (one kernel per scheduler
     node, as a GPU backend launches them; traced on CPU: benchmarks/compiled_backward.py,
     torchtitan 0.3's block and transformers' layer at 2 x 1,024 tokens): the activation's and
-    the product's backward are one fused pointwise kernel (``silu_backward`` and the muls)
-    reading gate, up and the down projection's input gradient ``inner`` each.
+    the product's backward one fused kernel reading gate, up and the product's gradient.
 
     - The product saved (the layer not recomputed, or checkpointed outside the compiled graph:
       ``in_checkpoint``): the down projection's weight gradient first, its input (the saved
@@ -432,38 +431,27 @@ def swiglu_moments(wl: Workload, dm: Dims, saved: int, inner: int, grad_inputs: 
     order traced: ``mm(grad.T, product)``, ``del`` product, ``mm(grad, weight_cast)``; its
     weight gradient counted in the parameters' dtype, where the trace holds the compute
     dtype's until the cast after: h x f / t x (4 - 2) B over there, never the peak traced).
-    ``whole``: the rerun ran the whole MLP (``rerun_whole_mlp``): the order of a layer not
-    rebuilt. ``post_grad``: with a norm after the MLP (``NormPlacement.POST``), that norm's
+    ``whole``: the rerun ran the whole MLP (``rerun_whole_mlp``), a layer not rebuilt's
+    order. ``post_grad``: with a norm after the MLP (``NormPlacement.POST``), that norm's
     input gradient (the down projection's output gradient, rows x h, a tensor of its own
     where a pre-norm layer's is the residual gradient itself), alive until the down
     projection's grad-input matmul; the down projection's moment is that matmul's, the
     product freed by the weight gradient's matmul before it and its gradient made (traced:
-    transformers' OLMo 2 layer, bf16, 2 x 1,024 tokens, without recompute and rebuilt: the
-    product's gradient in the product's buffer, ``buf31 = buf23  # reuse``). ``scaled_grad``:
-    with a scaled residual (``ModelSpec.scaled_residual``, Granite's ``residual +
-    hidden_states * residual_multiplier``) the down projection's output gradient is the
-    incoming gradient times the multiplier, a rows x h tensor of its own made first
-    (``cpp_fused_mul_view_0``): not rebuilt, alive until the down projection's grad-input
-    matmul, as ``post_grad``; rebuilt, through the kernel until the down weight's gradient
-    after it (its buffer then reused for up's input gradient). Traced: transformers'
-    Granite layer, bf16, 2 x 256 tokens: rebuilt 7,753,728 B, memplan exact (one rows x h
-    under before, -3.4%); not rebuilt exact either way (never the peak)."""
+    OLMo 2's layer, bf16, 2 x 1,024 tokens, without recompute and rebuilt: the product's
+    gradient in its buffer). ``scaled_grad``: ``scaled_residual_grad``."""
     freed, cast = autocast_grads(dm, grad_inputs // 2, out_cast)
     rebuilt = dm.rerun and not in_checkpoint(wl) and not whole
-    if not rebuilt:
-        post_grad += scaled_grad
-        scaled_grad = 0
-    cast += scaled_grad  # alive over the same kernels as the incoming gradient's cast
+    # the scaled gradient: not rebuilt as ``post_grad``, rebuilt as the incoming gradient's cast
+    post_grad, cast = ((post_grad, cast + scaled_grad) if rebuilt
+                       else (post_grad + scaled_grad, cast))
     last = BackwardMoment("mlp_in", 0, grad_inputs + inner, ("mlp",), fresh)
     if not rebuilt and down_grad_deferred(dm, inner, cast, fresh):
-        # gate freed by the kernel, its gradient and up's (in up's buffer) kept for the
-        # deferred weight gradients, the input gradients made beside them
+        # gate freed by the kernel, its and up's gradients kept for the deferred ones
         return [BackwardMoment("mlp", saved, inner + cast, ()),
                 BackwardMoment("mlp_act", saved - freed, 2 * inner + cast, ()),
                 BackwardMoment("mlp_in", saved - freed - inner, cast + inner + grad_inputs, ())]
     if not rebuilt:
-        # under autocast at the down projection's grad-input matmul, the product freed by the
-        # weight gradient's matmul before it (without, the eager moment: never the peak)
+        # at the down projection's grad-input matmul, the product freed before (see above)
         product = inner if dm.autocast or post_grad else 0
         return [BackwardMoment("mlp", saved - product, inner + cast + post_grad, ("mlp_out",),
                                fresh, inner - product),
@@ -473,6 +461,19 @@ def swiglu_moments(wl: Workload, dm: Dims, saved: int, inner: int, grad_inputs: 
             BackwardMoment("mlp", saved - 2 * inner - freed, 2 * inner + cast, ("mlp_out",),
                            fresh, inner),
             last]
+
+
+def scaled_residual_grad(spec: ModelSpec, dm: Dims) -> int:
+    """With a scaled residual (``ModelSpec.scaled_residual``, Granite's ``residual +
+    hidden_states * residual_multiplier``), the compiled MLP's output gradient: the incoming
+    gradient times the multiplier, a rows x h tensor of its own made first
+    (``cpp_fused_mul_view_0``); 0 elsewhere. ``swiglu_moments`` holds it, not rebuilt, until
+    the down projection's grad-input matmul (as ``post_grad``), rebuilt through the kernel
+    until the down weight's gradient after it (its buffer then reused for up's input
+    gradient). Traced: tests/traced/test_compile_trace.py ``test_compiled_scaled_residual_
+    layer``, Granite's layer, bf16, 2 x 256 tokens: rebuilt 7,753,728 B, memplan exact (one
+    rows x h under before, -3.4%); not rebuilt exact either way (never the peak)."""
+    return dm.rows * spec.hidden_size * dm.e if spec.scaled_residual else 0
 
 
 def post_norm_backward_bytes(spec: ModelSpec, dm: Dims) -> int:

@@ -214,6 +214,15 @@ def layer_terms(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     return [term for terms in saved for term in terms]
 
 
+def _parallel_first_output(spec: ModelSpec, dm: Dims) -> int:
+    """Compiled, a parallel layer's attention output (its o_proj's), a buffer of its own
+    until the one kernel summing the input and both branches writes into it: beside the MLP
+    in a forward that saves (traced: tests/traced/test_compile_trace.py
+    ``test_compiled_parallel_layer``, Cohere's layer, at the down projection's matmul);
+    0 elsewhere."""
+    return dm.rows * spec.hidden_size * dm.e if dm.compiled and spec.parallel_block else 0
+
+
 def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
                     recompute: Recompute, variant: str = "",
                     saved: tuple[list[Term], ...] | None = None) -> list[ForwardMoment]:
@@ -267,7 +276,8 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
         prior += cast_cache_bytes(spec, wl, dm, block, recompute)
         beside = (unsaved_input * (2 if id(block) in later else 1)
                   + (falcon_h1.held_bytes(spec, dm) if id(block) in later else 0)
-                  + (norm_out if isinstance(block, MIXERS) else 0))
+                  + (norm_out if isinstance(block, MIXERS) else 0)
+                  + (_parallel_first_output(spec, dm) if isinstance(block, (Mlp, MoE)) else 0))
         out += [ForwardMoment(m.name, prior + m.own_bytes, beside + m.transient_bytes,
                               block.name)
                 for m in block.forward_moments(spec, wl, dm, recompute)]
@@ -437,6 +447,11 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
            if _rebuilt_whole(recompute, wl, dm, moe_layer) else [])
     later: tuple[str, ...] = ()  # the blocks whose backward has run: all their gradients
     rerun = recompute is Recompute.FULL  # the rerun's tensors, dropped as they are unpacked
+    mlp_first = _mlp_first(spec, wl, dm, recompute, moe_layer)
+    if mlp_first:  # the MLP's moments hold the norm's rebuilt tensors, not the attention's
+        prior = [sum(n for b, n in zip(blocks[:i], saved) if not isinstance(b, MIXERS))
+                 if isinstance(block, Mlp) else p
+                 for i, (block, p) in enumerate(zip(blocks, prior))]
     for block, before in reversed(list(zip(blocks, prior))):
         waiting = _first_output_grad(spec, dm, block)
         out += [LayerMoment(m.name, extra + (host_saved(block, m) if host_saved
@@ -446,23 +461,50 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
                             0 if host_saved else m.hook_freed)
                 for m in block.backward_moments(spec, wl, dm, policy)]
         later += (block.name,)
-    if not moe_layer:  # compiled under autocast, the MLP's weight gradients at the end
-        out = compiled.with_deferred_mlp(out, spec, wl, dm)
-        # compiled post norms: the MLP post norm's weight gradient with the attention's
-        out = compiled.with_post_norm_schedule(out, spec, wl, dm, recompute)
-    if not moe_layer and (end := compiled.autocast_end_bytes(spec, dm)) is not None:
+    if moe_layer:
+        return out
+    return _compiled_schedule(out, spec, wl, dm, recompute, variant, incoming, later,
+                              mlp_first)
+
+
+def _compiled_schedule(out: list[LayerMoment], spec: ModelSpec, wl: Workload, dm: Dims,
+                       recompute: Recompute, variant: str, incoming: int,
+                       later: tuple[str, ...], mlp_first: bool) -> list[LayerMoment]:
+    """A dense layer's backward moments (``backward_moments``' ``out``, ``later``: every
+    block's gradient group) as Inductor schedules the compiled layer's backward, unchanged
+    where it is not compiled."""
+    # compiled under autocast, the MLP's weight gradients at the end
+    out = compiled.with_deferred_mlp(out, spec, wl, dm)
+    # compiled post norms: the MLP post norm's weight gradient with the attention's
+    out = compiled.with_post_norm_schedule(out, spec, wl, dm, recompute)
+    if (end := compiled.autocast_end_bytes(spec, dm)) is not None:
         # the compiled backward's end: every weight gradient made (``compiled.
         # autocast_end_bytes``), the saved set freed
         out.append(LayerMoment("compiled_end", 0, incoming + end, later))
-    if not moe_layer and compiled.rebuilt_attention_schedule(spec, wl, dm, recompute):
+    if compiled.rebuilt_attention_schedule(spec, wl, dm, recompute):
         # the compiled attention's backward as Inductor orders it
         out += [LayerMoment(*m) for m in compiled.attention_backward_moments(spec, dm)]
         # Inductor's wrapper holds the SDPA output's gradient only where its estimate allows
         out = compiled.with_sdpa_grad_reuse(out, spec, dm,
                                             grad_group_params(spec, dm.tp, 1, False, variant))
-    if not moe_layer and (copy := compiled.rerun_output_copy_bytes(spec, wl, dm, recompute)):
-        out = compiled.with_output_copy(out, copy)  # transformers' rerun's output copy
+    if copy := compiled.rerun_output_copy_bytes(spec, wl, dm, recompute):
+        # transformers' rerun's output copy, made by the attention's rerun: after the MLP's
+        # backward in a parallel layer (``mlp_first``)
+        copied = compiled.with_output_copy(out, copy)
+        out = [m if mlp_first and m.name.startswith("mlp") else c
+               for m, c in zip(out, copied, strict=True)]
     return out
+
+
+def _mlp_first(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute,
+               moe_layer: bool) -> bool:
+    """A dense parallel layer (``ModelSpec.parallel_block``) rebuilt inside the compiled
+    graph: Inductor reruns and differentiates the MLP branch, which reads the norm's output
+    alone, before it reruns the attention (traced: tests/traced/test_compile_trace.py
+    ``test_compiled_parallel_layer``, Cohere's layer: the whole rebuilt set counted at the
+    MLP's kernel was +15.4%)."""
+    return (recompute is Recompute.FULL and dm.compiled and spec.parallel_block
+            and not compiled.in_checkpoint(wl) and not moe_layer)
 
 
 @lru_cache(maxsize=1024)

@@ -558,7 +558,7 @@ class Mlp:
                 linear.saved_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm),
                 compiled.rerun_whole_mlp(spec, dm),
                 rows_h_e if spec.norm_placement.post_norm else 0,
-                rows_h_e if spec.scaled_residual else 0)
+                compiled.scaled_residual_grad(spec, dm))
         # a plain MLP has one input projection: nothing to sum
         moments = backward_moments(
             spec, dm, saved=total(terms),

@@ -66,8 +66,11 @@ def norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims,
 def _norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims,
                 readers: int | None = None) -> list[Term]:
     rows, h = dm.rows, spec.hidden_size
-    # a LayerNorm centring twice saves rsqrt's output alone (its mean is saved by no one)
-    two = spec.norm is NormKind.LAYERNORM and not spec.norm_centres_twice
+    # a LayerNorm centring twice saves rsqrt's output alone (its mean is saved by no one);
+    # compiled, the partitioner saves both reductions' outputs, the mean and rsqrt's, and
+    # recomputes the centred input from them (traced: tests/traced/test_compile_trace.py
+    # ``test_compiled_parallel_layer``, Cohere's layer: two T x 4 B per norm)
+    two = spec.norm is NormKind.LAYERNORM and (not spec.norm_centres_twice or dm.compiled)
     stats = rows * FP32_BYTES * (2 if two else 1)
     # the output is saved by the next (column-parallel) linear: as its sequence shard, or
     # all-gathered to the full sequence (DTensor sequence parallelism); under autocast each

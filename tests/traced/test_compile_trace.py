@@ -1315,6 +1315,61 @@ def test_compiled_scaled_residual_layer(checkpoint: str, backward: int) -> None:
     assert traced == backward
 
 
+@pytest.mark.parametrize("checkpoint,forward,backward", [("none", 4_214_784, 5_328_896),
+                                                         ("full", 2_364_352, 6_038_464)])
+def test_compiled_parallel_layer(checkpoint: str, forward: int, backward: int) -> None:
+    """transformers' Cohere layer (Command R7B: one LayerNorm centring twice, attention and
+    MLP in parallel on its output, ``ModelSpec.parallel_block``; h 256, 8 heads of 32, 2 KV
+    heads, ffn 896) in bf16, compiled, at 2 x 256 tokens (T 512, one kernel per scheduler
+    node, GPU realization rules). By hand, S = T h 2 = 262,144, F = T f 2 = 917,504, W = h f
+    2 = 458,752, r = T 4 = 2,048, the logsumexp 2 x 8 x 256 x 4 = 16,384:
+
+    - no recompute: saved the norm's mean and rsqrt (2 r: the partitioner saves both
+      reductions and recomputes the centred input, ``norm._norm_terms``; eager saves rsqrt's
+      alone), its output S, RoPE'd q S, k and v S / 4 each, SDPA's output S, the logsumexp,
+      gate, up and product 3 F: 3,690,496 B; the forward peaks at the down projection's
+      matmul, the o_proj output S beside it until the one kernel summing the input and both
+      branches writes into it: + 2 S = 4,214,784 B (memplan 6.3% under before). Backward at
+      the MLP's kernel: the product freed by the down weight's gradient W, its gradient and
+      the gate's: 3,690,496 - F + 2 F + W + the output S = 5,328,896 B.
+    - full recompute (the checkpoint inside the graph): Inductor reruns and differentiates
+      the MLP branch first, which reads the norm's output alone, and reruns the attention
+      after it (``layer.backward_moments``' ``mlp_first``): at the MLP's kernel the input's
+      held place S, the norm's rebuilt output S and 2 r, six F: 6,033,408 B (memplan 15.4%
+      over before, the whole rebuilt set); the trace holds 5,056 B more, the CPU generator's
+      state for SDPA's rerun, not rerun yet (a GPU's philox state is 16 B). Forward as
+      Llama's layer: 2,359,296 B and those 5,056."""
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
+
+    s, f, w, r, lse = 262_144, 917_504, 458_752, 2_048, 16_384
+    saved = 3.5 * s + 2 * r + lse + 3 * f
+    generator = 0 if checkpoint == "none" else 5_056
+    if checkpoint == "none":
+        assert (saved + 2 * s, saved + f + w + s) == (forward, backward)
+    else:
+        assert (9 * s + 5_056, s + s + 2 * r + 6 * f + 5_056) == (forward, backward)
+    config = hf("c4ai-command-r7b-12-2024", num_hidden_layers=2, hidden_size=256,
+                intermediate_size=896, num_attention_heads=8, num_key_value_heads=2,
+                head_dim=32, vocab_size=1000)
+    batch, seq = 2, 256
+    spec = spec_from_hf_dict(config, "cohere-toy", "cohere-toy")
+    assert spec.parallel_block and spec.norm_centres_twice
+    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
+    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure", compile=True,
+                  recompute=recompute)
+    validate(spec, ParallelConfig(), wl)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, recompute)
+    assert kind.forward_peak_bytes - s == forward - generator
+    assert (_model_backward(kind, grad_group_params(spec, 1, 1, False), 2) - s
+            == backward - generator)
+    _, traced_forward, traced_backward = compiled_layer_step(
+        config, "bfloat16", batch, seq, checkpoint=checkpoint, gpu_realize=True)
+    assert (traced_forward, traced_backward) == (forward, backward)
+
+
 def test_compiled_sandwich_layer_matches_trace() -> None:
     """transformers' ``Gemma2DecoderLayer`` (sandwich norms: input, post-attention,
     pre-feedforward, post-feedforward RMSNorms scaling by 1 + weight in fp32; GeGLU with
