@@ -1370,6 +1370,39 @@ def test_compiled_parallel_layer(checkpoint: str, forward: int, backward: int) -
     assert (traced_forward, traced_backward) == (forward, backward)
 
 
+def test_compiled_qk_norm_layer_rebuilt() -> None:
+    """transformers' Qwen3 layer (per-head q and k RMSNorms before RoPE: ``QkNorm.HEAD``; h
+    256, 8 heads of 32, 2 KV heads, ffn 896) in bf16, compiled, the checkpoint inside the
+    graph, 2 x 256 tokens (T 512, one kernel per scheduler node, GPU realization rules). The
+    q norm's reduction kernel also writes RoPE's output, token-major, so o_proj reads SDPA's
+    output itself: no rerun copy (``compiled.rerun_output_copy_bytes``). By hand, S = T h 2
+    = 262,144, F = T f 2 = 917,504: at the MLP's kernel the input's held place, the input
+    norm's output, q_proj's output S and k_proj's S / 4 (the norms' inputs), v S / 4, RoPE'd
+    q S and k S / 4, SDPA's output, the o_proj output, the MLP norm's output: 7.75 S; the
+    norms' statistics 2 x T x 4 + T x 8 x 4 + T x 2 x 4 and the logsumexp 2 x 8 x 256 x 4:
+    40,960; six F: 7,577,600 B (memplan 7,839,744 before, the copy counted: +3.5%)."""
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
+
+    s, f, t = 262_144, 917_504, 512
+    backward = 7.75 * s + 2 * t * 4 + t * 8 * 4 + t * 2 * 4 + 2 * 8 * 256 * 4 + 6 * f
+    assert backward == 7_577_600
+    config = hf("Qwen3-8B", num_hidden_layers=2, hidden_size=256, intermediate_size=896,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1000)
+    batch, seq = 2, 256
+    spec = spec_from_hf_dict(config, "qwen3-toy", "qwen3-toy")
+    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure", compile=True,
+                  recompute=Recompute.FULL)
+    validate(spec, ParallelConfig(), wl)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, Recompute.FULL)
+    assert _model_backward(kind, grad_group_params(spec, 1, 1, False), 2) - s == backward
+    _, _, traced = compiled_layer_step(config, "bfloat16", batch, seq, checkpoint="full",
+                                       gpu_realize=True)
+    assert traced == backward
+
+
 def test_compiled_sandwich_layer_matches_trace() -> None:
     """transformers' ``Gemma2DecoderLayer`` (sandwich norms: input, post-attention,
     pre-feedforward, post-feedforward RMSNorms scaling by 1 + weight in fp32; GeGLU with
