@@ -757,15 +757,18 @@ def _compile_post_norm_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     RoPE, separate q/k/v without biases, SDPA, separate gate and up. A sliding window as
     long as the sequence or shorter is refused: transformers skips SDPA's mask only below it
     (masking_utils.py ``_ignore_causal_mask_sdpa``: ``kv_length < local_attention_size``),
-    and the layers were traced without a mask. Gemma 3 (q/k norms per head) and GLM-4 (a
-    fused gate/up projection) are not traced."""
+    and the layers were traced without a mask. Gemma 3's layer (sandwich norms, q/k norms
+    per head on the transposed q and k) traced the same way, recompute none and full: exact
+    (tests/traced/test_compile_trace.py ``test_compiled_sandwich_qk_norm_layer``). GLM-4 (a
+    fused gate/up projection) is not traced."""
     sandwich = spec.norm_placement.value == "sandwich"
-    qk = "none" if sandwich else "full"
+    qk = ("none", "head") if sandwich else ("full",)
     odd = [(spec.moe is not None, "post norms around MoE blocks"),
            (spec.norm.value != "rmsnorm", "post LayerNorms"),
-           (spec.qk_norm.value != qk,
-            f"{spec.norm_placement.value} norms and q/k norms {spec.qk_norm.value} "
-            f"(traced: {qk})"),
+           (spec.qk_norm.value not in qk or spec.qk_norm_token_major,
+            f"{spec.norm_placement.value} norms and q/k norms {spec.qk_norm.value}"
+            f"{' before the transpose' if spec.qk_norm_token_major else ''} "
+            f"(traced: {', '.join(qk)}{'' if len(qk) == 1 else ' on the transposed q, k'})"),
            (sandwich and wl.recompute is Recompute.FULL and spec.mlp.value != "geglu",
             "sandwich norms, recompute full and an MLP other than GeGLU"),
            (spec.position.value != "rope" or spec.rope_complex or spec.rope_interleaved
@@ -879,8 +882,8 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     """What a compiled layer's saved set is derived for (``memplan.model.compiled``): a
     pre-norm layer (dense, or MoE with transformers' grouped experts in bf16:
     ``_compile_moe_refusal``) with SDPA attention in one compute dtype, OLMo 2's post-norm
-    layer or Gemma 2's sandwich-norm layer (``_compile_post_norm_refusal``), or under
-    autocast a
+    layer or Gemma 2's and Gemma 3's sandwich-norm layers (``_compile_post_norm_refusal``),
+    or under autocast a
     Llama-like dense layer (``_compile_autocast_refusal``), no recompute or a fully
     checkpointed layer, or torchtitan's per-op SAC. The rest is not modelled yet: a
     refusal, not an eager estimate."""
@@ -925,7 +928,8 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
                        "modelled yet (compile is modelled for pre-norm layers, dense or "
                        "with transformers' bf16 grouped experts, SDPA attention; OLMo 2's "
                        "post-norm layer in one dtype, recompute none or full, Gemma 2's "
-                       "sandwich-norm layer in one dtype, recompute none or full; under "
+                       "and Gemma 3's sandwich-norm layers in one dtype, recompute none or "
+                       "full; under "
                        "autocast a Llama-like dense layer (RMSNorm, RoPE, no biases, separate "
                        "q/k/v and gate/up) without adapters or float8 on one TP rank, "
                        "recompute none or full, a fused qkv projection with full "

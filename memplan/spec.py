@@ -400,6 +400,13 @@ class ModelSpec(Record):
         "a gated MLP's gate and up projections as one parameter (Phi-3's gate_up_proj: "
         "models/phi3/modeling_phi3.py Phi3MLP)"))
     qk_norm: QkNorm = QkNorm.NONE
+    qk_norm_token_major: bool = Field(default=False, description=(
+        "per-head q/k norms run on the projections' token-major view, before the transpose to "
+        "heads (Qwen3: models/qwen3/modeling_qwen3.py Qwen3Attention.forward, "
+        "self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2); "
+        "Glm4MoeAttention likewise), where Gemma 3 and EXAONE 4 normalise the transposed, "
+        "head-major q and k: compiled, the norm's kernel then writes RoPE's output "
+        "token-major (memplan.model.compiled.rerun_output_copy_bytes)"))
     norm_placement: NormPlacement = NormPlacement.PRE
     rope_keeps_dtype: bool = Field(default=False, description=(
         "RoPE casts the rotated q and k back to their own dtype (OLMo 2's apply_rotary_pos_emb: "

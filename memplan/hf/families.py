@@ -74,7 +74,8 @@ def qwen3(cfg: ConfigKeys) -> dict[str, Any]:
     (Qwen3Attention.q_norm / k_norm, weights of head_dim) and attention_bias on q, k, v and o.
     Qwen3Config's head_dim defaults to 128."""
     fields = llama_fields(cfg, head_dim_default=128, tie_default=False, defaults=_QWEN)
-    fields.update(qk_norm="head", **_qwen_window(cfg, fields["num_layers"]))
+    fields.update(qk_norm="head", qk_norm_token_major=True,
+                  **_qwen_window(cfg, fields["num_layers"]))
     return fields
 
 
@@ -135,7 +136,9 @@ def qwen_moe(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
         fields["window_mask_always"] = True
     else:
         bias = cfg.get_bool("attention_bias", False)
-        fields.update(qkv_bias=bias, attn_out_bias=bias, qk_norm="head")
+        # Qwen3MoeAttention.forward: the norms before the transpose, as Qwen3's
+        fields.update(qkv_bias=bias, attn_out_bias=bias, qk_norm="head",
+                      qk_norm_token_major=True)
     fields["moe"] = moe
     fields.update(_qwen_window(cfg, num_layers))
     return fields

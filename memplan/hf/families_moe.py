@@ -107,7 +107,8 @@ def glm4_moe(cfg: ConfigKeys) -> dict[str, Any]:
     fields.update(qkv_bias=bias, attn_out_bias=False, moe=moe,
                   **rotary_dim(fields["head_dim"], partial_rotary(cfg, 0.5)))
     if cfg.get_bool("use_qk_norm", False):
-        fields["qk_norm"] = "head"
+        # Glm4MoeAttention.forward: the norms before the transpose
+        fields.update(qk_norm="head", qk_norm_token_major=True)
     return fields
 
 

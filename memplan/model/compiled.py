@@ -826,14 +826,16 @@ def rerun_output_copy_bytes(spec: ModelSpec, wl: Workload, dm: Dims,
     .contiguous()`` (integrations/sdpa_attention.py) copies it. Without recompute the
     partitioner saves SDPA's output alone and rebuilds the copy in backward (traced); the
     rerun keeps its own. torchtitan rotates q before the transpose: token-major, no copy;
-    so does a per-head q norm (``QkNorm.HEAD``, Qwen3's ``q_norm`` on the (B, S, H, d) view
-    before the transpose), whose reduction kernel also writes RoPE's output, token-major
-    (traced: tests/traced/test_compile_trace.py ``test_compiled_qk_norm_layer_rebuilt``,
-    Qwen3's layer, bf16, 2 x 256 tokens: o_proj reads SDPA's output itself; +3.5% before).
+    so does a per-head q norm on the (B, S, H, d) view before the transpose
+    (``ModelSpec.qk_norm_token_major``, Qwen3's ``q_norm``), whose reduction kernel also
+    writes RoPE's output, token-major (traced: tests/traced/test_compile_trace.py
+    ``test_compiled_qk_norm_layer_rebuilt``, Qwen3's layer, bf16, 2 x 256 tokens: o_proj
+    reads SDPA's output itself; +3.5% before); not one on the transposed q (Gemma 3's
+    layer traced likewise: the copy made).
     Traced: benchmarks/compiled_backward.py, transformers' layer, bf16, 2 x 1,024 tokens
     (at the MLP's kernel, one T x h: -3.5% before)."""
     if not (recompute is Recompute.FULL and not in_checkpoint(wl)
-            and spec.qk_norm is not QkNorm.HEAD
+            and not (spec.qk_norm is QkNorm.HEAD and spec.qk_norm_token_major)
             and swiglu_backward(spec, dm, Recompute.NONE) and wl.rope_cache is RopeCache.FORWARD
             and spec.position is PositionKind.ROPE and wl.attention is Attention.FLASH
             and wl.attention_impl is AttentionImpl.GENERIC and spec.mla is None

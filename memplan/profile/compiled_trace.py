@@ -266,7 +266,10 @@ def _hf_layer(config: dict, dtype, batch: int, seq: int):
     cfg = AutoConfig.for_model(**config)
     cfg._attn_implementation = "sdpa"
     cfg._experts_implementation = "grouped_mm"
-    kind = config["model_type"]
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    # a text model type inside a multimodal family's module (gemma3_text: models/gemma3)
+    kind = model_type_to_module_name(config["model_type"])
     module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
     names = dir(module)
     layer_cls = getattr(module, next(n for n in names if n.endswith("DecoderLayer")))
@@ -276,7 +279,12 @@ def _hf_layer(config: dict, dtype, batch: int, seq: int):
         torch.nn.init.normal_(param, std=0.02)
     x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
     positions = torch.arange(seq)[None].expand(batch, seq)
-    cos, sin = rope_cls(cfg)(x, positions)
+    # per layer type tables (Gemma 3: sliding and full attention, ``rope_type`` a dict of
+    # them): layer 0's
+    rope = rope_cls(cfg)
+    per_type = isinstance(getattr(rope, "rope_type", None), dict)
+    cos, sin = (rope(x, positions, layer_type=cfg.layer_types[0]) if per_type
+                else rope(x, positions))
 
     def run(h):
         out = layer(h, attention_mask=None, position_embeddings=(cos, sin))

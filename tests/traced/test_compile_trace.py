@@ -1403,6 +1403,61 @@ def test_compiled_qk_norm_layer_rebuilt() -> None:
     assert traced == backward
 
 
+@pytest.mark.parametrize("checkpoint,forward,backward", [("none", 5_292_032, 6_668_288),
+                                                         ("full", 2_366_400, 7_191_040)])
+def test_compiled_sandwich_qk_norm_layer(checkpoint: str, forward: int, backward: int) -> None:
+    """transformers' Gemma 3 layer (sandwich norms, per-head q and k RMSNorms on the
+    transposed q and k, GeGLU with ``gelu_pytorch_tanh``; h 256, 8 heads of 32, 4 KV heads,
+    ffn 896) in bf16, compiled, at 2 x 256 tokens (T 512, one kernel per scheduler node, GPU
+    realization rules; its window 1,024 longer than the sequence). By hand, S = T h 2 =
+    262,144, K = T 128 2 = 131,072, F = T f 2 = 917,504, W = h f 2 = 458,752:
+
+    - no recompute: saved the input, the input norm's output, q_proj's output (the q norm's
+      input), RoPE'd q, SDPA's output, the o_proj output (the post-attention norm's input),
+      the pre-feedforward norm's output, the down projection's output (the post-feedforward
+      norm's): 8 S; k_proj's output, v, RoPE'd k: 3 K; four norms' rsqrt 4 x T x 4, the q and
+      k norms' T x 8 x 4 and T x 4 x 4, the logsumexp 2 x 8 x 256 x 4: 49,152; gate, up and
+      product 3 F: 5,292,032 B, the forward's peak; backward as Gemma 2's, + F + W.
+    - full recompute (the checkpoint inside the graph), at GeGLU's backward kernel (the down
+      weight's gradient and the post-feedforward norm's weight gradient, 512 B, made before
+      it): the input's held place, the input norm's output, q_proj's output, RoPE'd q, SDPA's
+      output and the token-major copy o_proj reads (q is normalised after the transpose:
+      ``ModelSpec.qk_norm_token_major`` false), the o_proj output, the pre-feedforward norm's
+      output: 8 S; 3 K; the pre-feedforward norm's fp32 normalised input 2 S
+      (``compiled.sandwich_rerun_norm_bytes``); the input, q, k and post-attention norms'
+      statistics and the logsumexp 47,104; gate, up (its gradient written into it), the
+      product's gradient and the gate's: 4 F: 7,191,040 B. The forward as Gemma 2's, 5,056 B
+      above memplan's (the CPU generator's state). Before: refused (untraced)."""
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
+
+    s, k, f, w, t = 262_144, 131_072, 917_504, 458_752, 512
+    stats = 4 * t * 4 + t * 8 * 4 + t * 4 * 4 + 2 * 8 * 256 * 4
+    if checkpoint == "none":
+        assert (8 * s + 3 * k + stats + 3 * f, 8 * s + 3 * k + stats + 4 * f + w) == (
+            forward, backward)
+    else:
+        assert 8 * s + 3 * k + 2 * s + (stats - t * 4) + 4 * f + w + 512 == backward
+    config = hf("gemma-3-12b-pt", num_hidden_layers=2, hidden_size=256, intermediate_size=896,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=1000)
+    batch, seq = 2, 256
+    spec = spec_from_hf_dict(config, "gemma3-toy", "gemma3-toy")
+    assert not spec.qk_norm_token_major
+    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
+    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure", compile=True,
+                  recompute=recompute)
+    validate(spec, ParallelConfig(), wl)  # no longer refused
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, recompute)
+    generator = 0 if checkpoint == "none" else 5_056
+    assert kind.forward_peak_bytes - s == forward - generator
+    assert _model_backward(kind, grad_group_params(spec, 1, 1, False), 2) - s == backward
+    _, traced_forward, traced_backward = compiled_layer_step(
+        config, "bfloat16", batch, seq, checkpoint=checkpoint, gpu_realize=True)
+    assert (traced_forward, traced_backward) == (forward, backward)
+
+
 def test_compiled_sandwich_layer_matches_trace() -> None:
     """transformers' ``Gemma2DecoderLayer`` (sandwich norms: input, post-attention,
     pre-feedforward, post-feedforward RMSNorms scaling by 1 + weight in fp32; GeGLU with
