@@ -1163,6 +1163,31 @@ def test_compiled_post_norm_layer_matches_trace(checkpoint: str, saved: int, for
 GEMMA2 = hf("gemma-2-9b", **GEMMA2_TOY)
 
 
+def _hf_layer_peaks(config: dict, checkpoint: str) -> tuple[int, int, int, int]:
+    """One transformers layer of ``config`` in bf16, compiled, at 2 x 256 tokens (one kernel
+    per scheduler node, GPU realization rules), ``checkpoint`` none or full (the checkpoint
+    inside the graph): memplan's (forward peak, backward peak), each less one residual-stream
+    tensor (its input and incoming gradient against the trace's held output), and the
+    trace's. The layout is validated first: the layer is not refused."""
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
+
+    batch, seq = 2, 256
+    spec = spec_from_hf_dict(config, "toy", "toy")
+    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
+    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure", compile=True,
+                  recompute=recompute)
+    validate(spec, ParallelConfig(), wl)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, recompute)
+    s = dm.rows * spec.hidden_size * dm.e
+    model_backward = _model_backward(kind, grad_group_params(spec, 1, 1, False), 2) - s
+    _, traced_forward, traced_backward = compiled_layer_step(
+        config, "bfloat16", batch, seq, checkpoint=checkpoint, gpu_realize=True)
+    return kind.forward_peak_bytes - s, model_backward, traced_forward, traced_backward
+
+
 @pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh"])
 def test_compiled_geglu_rebuilt_after_pre_norms(act: str) -> None:
     """transformers' ``GemmaDecoderLayer`` (Gemma 1: pre norms, GeGLU with exact or tanh
@@ -1176,25 +1201,12 @@ def test_compiled_geglu_rebuilt_after_pre_norms(act: str) -> None:
     norm's output, RoPE'd q and k, v, SDPA's output, the output projection's output, the MLP
     norm's output) + 2 r + the logsumexp 2 x 8 x 256 x 4 = 16,384, and six F: 7,884,800 B
     (memplan 7,163,904 before, the eager order's moments: -9.1%)."""
-    from memplan.model.layer import grad_group_params
-    from memplan.parallel import validate
-    from recorded import compiled_layer_step  # tests/traced/recorded.py
-
     s, f, r = 262_144, 917_504, 2_048
     backward = 9 * s + 2 * r + 16_384 + 6 * f
     assert backward == 7_884_800
     config = hf("gemma-7b", **GEMMA2_TOY | {"num_key_value_heads": 8, "hidden_act": act})
-    batch, seq = 2, 256
-    spec = spec_from_hf_dict(config, "gemma-toy", "gemma-toy")
-    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure", compile=True,
-                  recompute=Recompute.FULL)
-    validate(spec, ParallelConfig(), wl)
-    dm = Dims.of(spec, ParallelConfig(), wl)
-    kind = layer_kind(spec, wl, dm, False, Recompute.FULL)
-    assert _model_backward(kind, grad_group_params(spec, 1, 1, False), 2) - s == backward
-    _, _, traced = compiled_layer_step(config, "bfloat16", batch, seq, checkpoint="full",
-                                       gpu_realize=True)
-    assert traced == backward
+    _, model_backward, _, traced = _hf_layer_peaks(config, "full")
+    assert model_backward == traced == backward
 
 
 # (model, KV heads, checkpoint, forward peak, backward peak), the toy widths of
@@ -1238,10 +1250,6 @@ def test_compiled_fused_gate_up_layer(model: str, kv: int, checkpoint: str, forw
     Before: Phi-3's saved set counted the reshape's copy (+S), its full-recompute backward
     in the eager order (-5.5% at Phi-3, -5.9% at Phi-4-mini) and its forward as eager's
     (+38.9%)."""
-    from memplan.model.layer import grad_group_params
-    from memplan.parallel import validate
-    from recorded import compiled_layer_step  # tests/traced/recorded.py
-
     s, f, w, r, lse = 262_144, 917_504, 458_752, 2_048, 16_384
     phi3 = model.startswith("Phi-3")
     if checkpoint == "none":
@@ -1252,20 +1260,9 @@ def test_compiled_fused_gate_up_layer(model: str, kv: int, checkpoint: str, forw
         assert (11 * s if phi3 else 8.75 * s) + 2 * r + lse + 6 * f == backward
     config = hf(model, num_hidden_layers=2, hidden_size=256, intermediate_size=896,
                 num_attention_heads=8, num_key_value_heads=kv, head_dim=32, vocab_size=1000)
-    batch, seq = 2, 256
-    spec = spec_from_hf_dict(config, "phi-toy", "phi-toy")
-    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
-    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure", compile=True,
-                  recompute=recompute)
-    validate(spec, ParallelConfig(), wl)
-    dm = Dims.of(spec, ParallelConfig(), wl)
-    kind = layer_kind(spec, wl, dm, False, recompute)
-    model_forward = kind.forward_peak_bytes - s
-    assert model_forward == forward - (5_056 if checkpoint == "full" else 0)
-    assert _model_backward(kind, grad_group_params(spec, 1, 1, False), 2) - s == backward
-    _, traced_forward, traced_backward = compiled_layer_step(
-        config, "bfloat16", batch, seq, checkpoint=checkpoint, gpu_realize=True)
-    assert (traced_forward, traced_backward) == (forward, backward)
+    generator = 5_056 if checkpoint == "full" else 0
+    assert _hf_layer_peaks(config, checkpoint) == (forward - generator, backward, forward,
+                                                   backward)
 
 
 @pytest.mark.parametrize("checkpoint,backward", [("none", 5_853_184), ("full", 7_753_728)])
@@ -1288,10 +1285,6 @@ def test_compiled_scaled_residual_layer(checkpoint: str, backward: int) -> None:
       the logsumexp) and the scaled gradient S, alive through the kernel to the down
       weight's gradient, beside six F: 8.5 S + 2 r + 16,384 + 6 F = 7,753,728 B (memplan
       7,491,584 before, -3.4%)."""
-    from memplan.model.layer import grad_group_params
-    from memplan.parallel import validate
-    from recorded import compiled_layer_step  # tests/traced/recorded.py
-
     s, f, w, r, lse = 262_144, 917_504, 458_752, 2_048, 16_384
     if checkpoint == "none":
         assert 4_476_928 + f + w == backward
@@ -1300,19 +1293,9 @@ def test_compiled_scaled_residual_layer(checkpoint: str, backward: int) -> None:
     config = hf("granite-3.3-8b-instruct", num_hidden_layers=2, hidden_size=256,
                 intermediate_size=896, num_attention_heads=8, num_key_value_heads=2,
                 head_dim=32, vocab_size=1000)
-    batch, seq = 2, 256
-    spec = spec_from_hf_dict(config, "granite-toy", "granite-toy")
-    assert spec.scaled_residual
-    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
-    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure", compile=True,
-                  recompute=recompute)
-    validate(spec, ParallelConfig(), wl)
-    dm = Dims.of(spec, ParallelConfig(), wl)
-    kind = layer_kind(spec, wl, dm, False, recompute)
-    assert _model_backward(kind, grad_group_params(spec, 1, 1, False), 2) - s == backward
-    _, _, traced = compiled_layer_step(config, "bfloat16", batch, seq, checkpoint=checkpoint,
-                                       gpu_realize=True)
-    assert traced == backward
+    assert spec_from_hf_dict(config, "toy", "toy").scaled_residual
+    _, model_backward, _, traced = _hf_layer_peaks(config, checkpoint)
+    assert model_backward == traced == backward
 
 
 @pytest.mark.parametrize("checkpoint,forward,backward", [("none", 4_214_784, 5_328_896),
@@ -1339,13 +1322,8 @@ def test_compiled_parallel_layer(checkpoint: str, forward: int, backward: int) -
       over before, the whole rebuilt set); the trace holds 5,056 B more, the CPU generator's
       state for SDPA's rerun, not rerun yet (a GPU's philox state is 16 B). Forward as
       Llama's layer: 2,359,296 B and those 5,056."""
-    from memplan.model.layer import grad_group_params
-    from memplan.parallel import validate
-    from recorded import compiled_layer_step  # tests/traced/recorded.py
-
     s, f, w, r, lse = 262_144, 917_504, 458_752, 2_048, 16_384
     saved = 3.5 * s + 2 * r + lse + 3 * f
-    generator = 0 if checkpoint == "none" else 5_056
     if checkpoint == "none":
         assert (saved + 2 * s, saved + f + w + s) == (forward, backward)
     else:
@@ -1353,21 +1331,11 @@ def test_compiled_parallel_layer(checkpoint: str, forward: int, backward: int) -
     config = hf("c4ai-command-r7b-12-2024", num_hidden_layers=2, hidden_size=256,
                 intermediate_size=896, num_attention_heads=8, num_key_value_heads=2,
                 head_dim=32, vocab_size=1000)
-    batch, seq = 2, 256
-    spec = spec_from_hf_dict(config, "cohere-toy", "cohere-toy")
+    spec = spec_from_hf_dict(config, "toy", "toy")
     assert spec.parallel_block and spec.norm_centres_twice
-    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
-    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure", compile=True,
-                  recompute=recompute)
-    validate(spec, ParallelConfig(), wl)
-    dm = Dims.of(spec, ParallelConfig(), wl)
-    kind = layer_kind(spec, wl, dm, False, recompute)
-    assert kind.forward_peak_bytes - s == forward - generator
-    assert (_model_backward(kind, grad_group_params(spec, 1, 1, False), 2) - s
-            == backward - generator)
-    _, traced_forward, traced_backward = compiled_layer_step(
-        config, "bfloat16", batch, seq, checkpoint=checkpoint, gpu_realize=True)
-    assert (traced_forward, traced_backward) == (forward, backward)
+    generator = 0 if checkpoint == "none" else 5_056
+    assert _hf_layer_peaks(config, checkpoint) == (forward - generator, backward - generator,
+                                                   forward, backward)
 
 
 def test_compiled_qk_norm_layer_rebuilt() -> None:
@@ -1381,26 +1349,13 @@ def test_compiled_qk_norm_layer_rebuilt() -> None:
     q S and k S / 4, SDPA's output, the o_proj output, the MLP norm's output: 7.75 S; the
     norms' statistics 2 x T x 4 + T x 8 x 4 + T x 2 x 4 and the logsumexp 2 x 8 x 256 x 4:
     40,960; six F: 7,577,600 B (memplan 7,839,744 before, the copy counted: +3.5%)."""
-    from memplan.model.layer import grad_group_params
-    from memplan.parallel import validate
-    from recorded import compiled_layer_step  # tests/traced/recorded.py
-
     s, f, t = 262_144, 917_504, 512
     backward = 7.75 * s + 2 * t * 4 + t * 8 * 4 + t * 2 * 4 + 2 * 8 * 256 * 4 + 6 * f
     assert backward == 7_577_600
     config = hf("Qwen3-8B", num_hidden_layers=2, hidden_size=256, intermediate_size=896,
                 num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1000)
-    batch, seq = 2, 256
-    spec = spec_from_hf_dict(config, "qwen3-toy", "qwen3-toy")
-    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure", compile=True,
-                  recompute=Recompute.FULL)
-    validate(spec, ParallelConfig(), wl)
-    dm = Dims.of(spec, ParallelConfig(), wl)
-    kind = layer_kind(spec, wl, dm, False, Recompute.FULL)
-    assert _model_backward(kind, grad_group_params(spec, 1, 1, False), 2) - s == backward
-    _, _, traced = compiled_layer_step(config, "bfloat16", batch, seq, checkpoint="full",
-                                       gpu_realize=True)
-    assert traced == backward
+    _, model_backward, _, traced = _hf_layer_peaks(config, "full")
+    assert model_backward == traced == backward
 
 
 @pytest.mark.parametrize("checkpoint,forward,backward", [("none", 5_292_032, 6_668_288),
@@ -1428,10 +1383,6 @@ def test_compiled_sandwich_qk_norm_layer(checkpoint: str, forward: int, backward
       statistics and the logsumexp 47,104; gate, up (its gradient written into it), the
       product's gradient and the gate's: 4 F: 7,191,040 B. The forward as Gemma 2's, 5,056 B
       above memplan's (the CPU generator's state). Before: refused (untraced)."""
-    from memplan.model.layer import grad_group_params
-    from memplan.parallel import validate
-    from recorded import compiled_layer_step  # tests/traced/recorded.py
-
     s, k, f, w, t = 262_144, 131_072, 917_504, 458_752, 512
     stats = 4 * t * 4 + t * 8 * 4 + t * 4 * 4 + 2 * 8 * 256 * 4
     if checkpoint == "none":
@@ -1441,21 +1392,10 @@ def test_compiled_sandwich_qk_norm_layer(checkpoint: str, forward: int, backward
         assert 8 * s + 3 * k + 2 * s + (stats - t * 4) + 4 * f + w + 512 == backward
     config = hf("gemma-3-12b-pt", num_hidden_layers=2, hidden_size=256, intermediate_size=896,
                 num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=1000)
-    batch, seq = 2, 256
-    spec = spec_from_hf_dict(config, "gemma3-toy", "gemma3-toy")
-    assert not spec.qk_norm_token_major
-    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
-    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure", compile=True,
-                  recompute=recompute)
-    validate(spec, ParallelConfig(), wl)  # no longer refused
-    dm = Dims.of(spec, ParallelConfig(), wl)
-    kind = layer_kind(spec, wl, dm, False, recompute)
+    assert not spec_from_hf_dict(config, "toy", "toy").qk_norm_token_major
     generator = 0 if checkpoint == "none" else 5_056
-    assert kind.forward_peak_bytes - s == forward - generator
-    assert _model_backward(kind, grad_group_params(spec, 1, 1, False), 2) - s == backward
-    _, traced_forward, traced_backward = compiled_layer_step(
-        config, "bfloat16", batch, seq, checkpoint=checkpoint, gpu_realize=True)
-    assert (traced_forward, traced_backward) == (forward, backward)
+    assert _hf_layer_peaks(config, checkpoint) == (forward - generator, backward, forward,
+                                                   backward)  # no longer refused
 
 
 def test_compiled_sandwich_layer_matches_trace() -> None:
