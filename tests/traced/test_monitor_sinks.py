@@ -275,7 +275,9 @@ def wandb_history(root, run_id: str = "*") -> list[dict]:
     """The history rows of the offline run under ``root`` (its run-<id>.wandb file, the
     transaction log ``wandb sync`` uploads: W&B's 7-byte header, then LevelDB log records of
     32 KiB blocks, 7-byte headers (crc, length, type: 1 full, 2 first, 3 middle, 4 last), each
-    a ``wandb_internal_pb2.Record``), read once the run's last record (``exit``) is there."""
+    a ``wandb_internal_pb2.Record``), read once the run's ``exit`` record is there. wandb
+    0.31 can write other records after it (an ``environment`` record seen last on a loaded
+    machine), so the exit record is looked for among them, not as the last one."""
     import wandb
 
     # wandb-core may still be writing after finish() returns; teardown waits for the service
@@ -284,10 +286,10 @@ def wandb_history(root, run_id: str = "*") -> list[dict]:
     [path] = glob.glob(str(root / "wandb" / "offline-run-*" / f"run-{run_id}.wandb"))
     for _ in range(300):
         records = _records(Path(path).read_bytes())
-        if records and records[-1].WhichOneof("record_type") == "exit":
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
             break
         time.sleep(0.1)
-    assert records and records[-1].WhichOneof("record_type") == "exit", "the run never ended"
+    assert any(r.WhichOneof("record_type") == "exit" for r in records), "the run never ended"
     return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
             for r in records if r.WhichOneof("record_type") == "history"]
 
