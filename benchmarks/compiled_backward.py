@@ -129,7 +129,27 @@ CASES = [  # (library: torchtitan, transformers (Llama), olmo2 or gemma2, fused 
     ("torchtitan", True, "bfloat16", "op", 2, 256, "tensorwise"),
     ("torchtitan", False, "bfloat16", "full", 2, 1024, "tensorwise"),
     ("torchtitan", False, "bfloat16", "op", 2, 1024, "tensorwise"),
+    # transformers' layers of other families ("hf:<config.json folder>:<KV heads>", the toy
+    # widths ``HF_TOY``), traced at 2 x 256 tokens (tests/traced/test_compile_trace.py's
+    # held-out layer tests pin the same peaks)
+    *[(f"hf:{name}:{kv}", False, "bfloat16", checkpoint, 2, 256)
+      for name, kv in (("gemma-7b", 8), ("Phi-3-mini-4k-instruct", 8),
+                       ("Phi-4-mini-instruct", 2), ("granite-3.3-8b-instruct", 2),
+                       ("c4ai-command-r7b-12-2024", 2), ("Qwen3-8B", 2),
+                       ("gemma-3-12b-pt", 4), ("Qwen2.5-7B", 2), ("Mistral-7B-v0.1", 2))
+      for checkpoint in ("none", "full")],
 ]
+# the widths of the "hf:" cases: two layers, h 256, 8 heads of 32, ffn 896
+HF_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
+              num_attention_heads=8, head_dim=32, vocab_size=1000)
+
+
+def _hf_case(library: str) -> dict:
+    """An "hf:<folder>:<KV heads>" case's config.json, cut to ``HF_TOY``."""
+    from hf_configs import hf
+
+    _, name, kv = library.split(":")
+    return hf(name, **HF_TOY, num_key_value_heads=int(kv))
 
 
 def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: int,
@@ -146,7 +166,9 @@ def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch:
     recompute = {"none": Recompute.NONE, "full": Recompute.FULL,
                  "op": Recompute.SELECTIVE}[checkpoint]
     precision = {"bfloat16": "bf16-pure", "float32": "fp32"}.get(dtype, dtype)
-    if library == "transformers":
+    if library.startswith("hf:"):
+        spec, extra = spec_from_hf_dict(_hf_case(library), "toy", "toy"), {}
+    elif library == "transformers":
         spec, extra = spec_from_hf_dict(hf("Meta-Llama-3-8B", **LLAMA3_TOY), "toy", "toy"), {}
     elif library == "olmo2":
         spec, extra = spec_from_hf_dict(hf("OLMo-2-1124-7B", **OLMO2_TOY), "toy", "toy"), {}
@@ -180,7 +202,8 @@ def traced_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: 
 
     from memplan.profile.compiled_trace import compiled_layer_step
 
-    config = (hf("Meta-Llama-3-8B", **LLAMA3_TOY) if library == "transformers"
+    config = (_hf_case(library) if library.startswith("hf:")
+              else hf("Meta-Llama-3-8B", **LLAMA3_TOY) if library == "transformers"
               else hf("OLMo-2-1124-7B", **OLMO2_TOY) if library == "olmo2"
               else hf("gemma-2-9b", **GEMMA2_TOY) if library == "gemma2"
               else {"torchtitan": dict(TITAN, fuse_qkv=fused, float8=float8)})
