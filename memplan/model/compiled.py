@@ -261,7 +261,7 @@ def checkpointed_mlp_working_bytes(spec: ModelSpec, dm: Dims,
         # one gate/up buffer (2 T x f / t) whose halves the kernel reads: the product gets a
         # buffer of its own (no in-place reuse: not the size of its input), the MLP norm's
         # output freed by then (its last reader the fused matmul): the product's kernel,
-        # beside that output's place (``fused_gate_up_forward``)
+        # beside that output's place (``_fused_gate_up_kernel``: traced)
         return max(2 * inner, 3 * inner - dm.rows * spec.hidden_size * dm.e)
     if not _plain_gated(spec, dm):
         return None
