@@ -129,6 +129,9 @@ CASES = [  # (library: torchtitan, transformers (Llama), olmo2 or gemma2, fused 
     ("torchtitan", True, "bfloat16", "op", 2, 256, "tensorwise"),
     ("torchtitan", False, "bfloat16", "full", 2, 1024, "tensorwise"),
     ("torchtitan", False, "bfloat16", "op", 2, 1024, "tensorwise"),
+    # per-op SAC in torchtitan's block, tensorwise: lpmf's order (2 x 128) and dfs's (2 x 64)
+    ("torchtitan", False, "bfloat16", "op", 2, 128, "tensorwise"),
+    ("torchtitan", False, "bfloat16", "op", 2, 64, "tensorwise"),
     # transformers' layers of other families ("hf:<config.json folder>:<KV heads>", the toy
     # widths ``HF_TOY``), traced at 2 x 256 tokens (tests/traced/test_compile_trace.py's
     # held-out layer tests pin the same peaks)

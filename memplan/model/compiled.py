@@ -1160,9 +1160,8 @@ def float8_lpmf_grad_in_first(spec: ModelSpec, wl: Workload, dm: Dims,
     (traced, separate q/k/v, 2 x 1,024: 21,512,234 B, the fused block's peak; with this
     moment memplan was 3.5% under): None. Under per-op SAC Inductor takes lpmf (its log, 2 x
     1,024: 19,259,454 B against the baseline's 20,193,324; 2 x 256: 5,244,990 against
-    5,392,428), whose order of the rebuilt block is not modelled: this moment stands for it,
-    over the traced peaks (19,914,814 B, +4.2%; 5,408,830 B, +5.8%), the baseline's moment
-    further over (the fused block's 21,504,030 B at 2 x 1,024: +8%)."""
+    5,392,428): this moment is a part of the rebuilt block's in lpmf's order
+    (``compiled_order.with_float8_sac_lpmf``)."""
     h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size  # ``attention.attention_linears``
     attn = (linear.Linear("q", "attn", h, q), linear.Linear("k", "attn", h, kv),
             linear.Linear("v", "attn", h, kv), linear.Linear("o", "attn_out", q, h))

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from memplan.model import compiled
+from memplan.model import compiled, linear
 from memplan.model.dims import FP32_BYTES, Dims, Term
 from memplan.spec import ModelSpec
 from memplan.workload import Recompute, Workload
@@ -248,3 +248,51 @@ def with_lpmf_order(moments: Sequence[LayerMoment], spec: ModelSpec, dm: Dims,
     if max(estimates + [e for _, e in extra]) >= baseline:
         return list(moments)
     return lpmf + [m for m, _ in extra]
+
+
+def with_float8_sac_lpmf(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
+                         dm: Dims, linears: Sequence, kept: Sequence[Term],
+                         saved: int) -> list[LayerMoment]:
+    """Per-op SAC with tensorwise ``Float8Linear``s on every projection of torchtitan's block
+    (separate q/k/v, its complex64 RoPE table: ``compiled.float8_lpmf_grad_in_first``'s
+    conditions), compiled with the checkpoint inside the graph: the MLP's float8 moment
+    (``mlp_f8_act``) in the order of Inductor's ``topological_sort_lpmf``, which
+    ``reorder_for_peak_memory`` keeps there (torch/_inductor/memory.py, torch 2.13; its log:
+    2 x 128 tokens lpmf 2,909,246 B against the baseline's 2,925,612, 2 x 256 5,244,990
+    against 5,392,428, 2 x 1,024 19,259,454 against 20,193,324). ``moments``: the full
+    recompute's (the whole layer rebuilt, ``float8_swiglu_casts`` on the rerun's saved set);
+    ``saved``: the input and the policy's kept outputs (``kept``).
+
+    lpmf runs first the kernels that read graph inputs alone, as without recompute
+    (``float8_lpmf_grad_in_first``: the projections' transposed weight casts, the incoming
+    gradient's and SDPA output's casts, the logsumexp's copy, the table's clone; the kept
+    q output becomes the RoPE'd q, the same bytes), and the rebuild's weight casts with
+    them: of those the rerun's k projection's (k's output is not kept; k is rebuilt after
+    the MLP's backward) is alive at the peak, the output projection's and up's freed after
+    their matmuls. The peak is up's grad-input ``_scaled_mm``, as without recompute, beside
+    the saved set, the MLP norm's statistics and two rebuilt outputs (the output
+    projection's, T x h, read by the residual sum the MLP norm's backward reads; up's,
+    T x f), the product's gradient (T x f) and the incoming gradient; no weight gradient
+    made. The scalars: nine fp32 scales and four amaxes made in the backward, four saved
+    scales and one saved amax. Traced (benchmarks/compiled_backward.py, Inductor's output
+    code ``buf24``'s ``_scaled_mm`` at 2 x 256; torchao 0.18.0): 2 x 128, 2 x 256 and 2 x
+    1,024 tokens exact (2,991,166 B, 5,408,830 B and 19,914,814 B with the held output for
+    the input and the incoming gradient; +3.3%, +5.8% and +4.2% before, the rerun's whole
+    saved set counted). At 2 x 64 tokens, below the MLP's weight-gradient threshold
+    (``lpmf_defers_mlp_grads``), Inductor keeps ``topological_sort_dfs``'s order (its
+    estimate 1,721,352 B, lpmf's 1,741,374, the baseline's 1,958,932): 1,770,504 B traced,
+    this moment 0.7% over it, and the full recompute's later moments (every MLP weight
+    gradient made beside the rebuilt set) 7.6% over, not modelled."""
+    first = compiled.float8_lpmf_grad_in_first(spec, wl, dm, linears)
+    if first is None or wl.recompute is not Recompute.SELECTIVE:
+        return list(moments)
+    h = spec.hidden_size
+    th, tf = dm.rows * h * dm.e, dm.tokens * spec.ffn_hidden_size * dm.e
+    names = {t.name for t in kept}
+    k_cast = 0 if "sac.attn.k_proj" in names else spec.kv_size * h * linear.FLOAT8_BYTES
+    scalars = ((9 + 4) * linear.FLOAT8_SCALE_BYTES + (4 + 1) * dm.e
+               - compiled.float8_lpmf_scalars(dm)[0])
+    alive = saved + dm.rows * FP32_BYTES + th + tf
+    transient = tf + first + scalars + th + k_cast
+    return [m._replace(alive_bytes=alive, transient_bytes=transient, grads_before=())
+            if m.name == "mlp_f8_act" else m for m in moments]

@@ -680,6 +680,9 @@ def _op_sac_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
             moments, spec, dm, _attention_rebuilt(spec, wl, dm, variant),
             kept)) is not None:  # under autocast, the traced kernel
         moments = amp
+    if in_graph:  # tensorwise float8 in torchtitan's block: lpmf's order
+        moments = compiled_order.with_float8_sac_lpmf(
+            moments, spec, wl, dm, linears, kept, total(full.terms) + total(kept))
     return full._replace(terms=full.terms + kept,
                          saved_bytes=full.saved_bytes + total(kept),
                          forward_peak_bytes=full.forward_peak_bytes + total(kept) - late,
