@@ -707,30 +707,47 @@ def _compile_autocast_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     2 x 1,024 tokens: recompute none with separate q/k/v, and full with either, saved set and
     backward peak exact, forward peak 5,056 B under (the CPU generator's state); and
     torchtitan's per-op SAC with wqkv fused or not (``compiled.autocast_sac_deferred``),
-    exact. A fused projection without recompute is refused: traced, not modelled (its
-    backward peaks at the attention's backward at 2 x 256)."""
+    exact. torchtitan's fused wqkv without recompute is refused: traced, not modelled (its
+    backward peaks at the attention's backward at 2 x 256). Other transformers layers traced
+    the same way (benchmarks/compiled_backward.py's "hf:" cases under ``amp-bf16``, 2 x 256
+    tokens, tests/traced/test_compile_trace.py), forward and backward peaks exact: Qwen2.5's
+    (q/k/v biases), Qwen3's (per-head q/k RMSNorms before the transpose), Gemma's (GeGLU),
+    Mistral's (a sliding window longer than the sequence: no mask), recompute none or full;
+    Phi-3's (fused qkv and fused gate/up, real RoPE) without recompute (under full recompute
+    its rebuilt forward holds more: the backward 5.1% under, refused). Refused, traced over:
+    Granite's scaled residual branches (+0.8% and +2.8%) and Command R's parallel block
+    (+7.7% and +3.4%)."""
     odd = [(spec.norm.value != "rmsnorm", "LayerNorm"),
            (spec.position.value != "rope" or spec.rope_complex or spec.rope_keeps_dtype
             or spec.rope_interleaved or spec.rope_half_tables or spec.rope_per_layer_type
             or spec.nope_layer_interval > 0 or spec.rotary_dim is not None,
             "a position encoding other than transformers' full fp32 RoPE"),
-           (spec.qkv_bias or spec.attn_out_bias or spec.mlp_bias or spec.norm_bias, "biases"),
+           (spec.attn_out_bias or spec.mlp_bias or spec.norm_bias,
+            "biases other than the q/k/v projections'"),
            # torchtitan's fused wqkv at 2 x 256 without recompute: the backward peaks at
            # the q RoPE's complex multiply, its fp32 input gradient and output beside the
            # k and v gradients the fused projection's grad-input matmul waits for (traced
-           # 7,313,408 B against separate q/k/v's 7,032,832 B at the MLP), not modelled
-           ((spec.fused_qkv or wl.fused_qkv) and wl.recompute is Recompute.NONE,
-            "a fused qkv projection without recompute"),
-           (spec.qk_norm.value != "none", "q/k norms"),
+           # 7,313,408 B against separate q/k/v's 7,032,832 B at the MLP), not modelled;
+           # transformers' fused qkv (Phi-3's, real RoPE) is exact there
+           (wl.fused_qkv and wl.recompute is Recompute.NONE,
+            "torchtitan's fused wqkv without recompute"),
+           (spec.qk_norm.value not in ("none", "head")
+            or (spec.qk_norm.value == "head" and not spec.qk_norm_token_major),
+            "q/k norms other than per-head norms before the transpose (Qwen3's)"),
            (spec.mla is not None, "MLA"),
-           (spec.sliding_window is not None, "sliding-window attention"),
+           # transformers skips SDPA's mask below the window (masking_utils.py
+           # ``_ignore_causal_mask_sdpa``); traced there only
+           (spec.sliding_window is not None and wl.seq_len >= spec.sliding_window,
+            "sliding-window attention over a sequence as long as the window"),
            (spec.attn_logit_softcap is not None, "attention logit soft-capping"),
            (spec.parallel_block, "parallel attention and MLP"),
            (spec.dropout > 0, "dropout"),
            (spec.scaled_residual, "scaled residual branches"),
-           (spec.mlp.value != "swiglu" or spec.fused_gate_up
+           (spec.mlp.value not in ("swiglu", "geglu")
             or spec.activation_impl.value != "kernel",
-            "an MLP other than SwiGLU with separate gate and up projections"),
+            "an MLP other than SwiGLU or GeGLU"),
+           (spec.fused_gate_up and wl.recompute is not Recompute.NONE,
+            "fused gate and up projections with recompute"),
            (wl.recompute is Recompute.FULL and wl.compile_in_checkpoint,
             "the activation checkpoint around the compiled layer (compile_in_checkpoint)"),
            (bool(wl.lora_rank), "LoRA adapters"),
@@ -930,10 +947,11 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
                        "post-norm layer in one dtype, recompute none or full, Gemma 2's "
                        "and Gemma 3's sandwich-norm layers in one dtype, recompute none or "
                        "full; under "
-                       "autocast a Llama-like dense layer (RMSNorm, RoPE, no biases, separate "
-                       "q/k/v and gate/up) without adapters or float8 on one TP rank, "
-                       "recompute none or full, a fused qkv projection with full "
-                       "recompute or per-op SAC; LoRA on unquantized or torchao NF4 base weights "
+                       "autocast a dense pre-norm layer (RMSNorm, RoPE, q/k/v biases or "
+                       "none, Qwen3's q/k norms, SwiGLU or GeGLU; fused gate/up and "
+                       "transformers' fused qkv without recompute) without adapters or "
+                       "float8 on one TP rank, recompute none or full, torchtitan's fused "
+                       "wqkv with full recompute or per-op SAC; LoRA on unquantized or torchao NF4 base weights "
                        "(with full recompute: compile_in_checkpoint; on the MLP, all of a "
                        "gated MLP's gate, up and down, no adapter dropout), "
                        "recompute none, full or per-op SAC)")

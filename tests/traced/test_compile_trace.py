@@ -1786,3 +1786,74 @@ def test_compiled_titan_moe_block_with_a_shared_expert(seq: int, width: int, sav
     assert traced_forward == kind.forward_peak_bytes - stream == forward
     assert traced_backward == backward
     assert _model_backward(kind, groups, 2) - stream - traced_backward == diff
+
+
+def _hf_amp_layer_peaks(config: dict, checkpoint: str) -> tuple[int, int, int, int]:
+    """``_hf_layer_peaks`` under autocast: fp32 weights, ``torch.autocast`` to bf16 around
+    the compiled forward (accelerate's ``prepare_model``: ``compiled_trace._autocast``),
+    precision ``amp-bf16``; the residual stream and the weights' gradients in fp32."""
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
+
+    batch, seq = 2, 256
+    spec = spec_from_hf_dict(config, "toy", "toy")
+    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
+    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="amp-bf16", compile=True,
+                  recompute=recompute)
+    validate(spec, ParallelConfig(), wl)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, recompute)
+    s = dm.rows * spec.hidden_size * 4
+    model_backward = _model_backward(kind, grad_group_params(spec, 1, 1, False), 4, s)
+    _, traced_forward, traced_backward = compiled_layer_step(
+        config, "float32", batch, seq, autocast="bfloat16", checkpoint=checkpoint,
+        gpu_realize=True)
+    return kind.forward_peak_bytes - s, model_backward, traced_forward, traced_backward
+
+
+# benchmarks/compiled_backward.py's "hf:" widths
+AMP_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
+               num_attention_heads=8, head_dim=32, vocab_size=1000)
+# the Llama-like layer at those widths under autocast (Mistral's: its window 4,096 is
+# longer than the sequence, so transformers passes SDPA no mask: a Llama layer)
+AMP_LLAMA = {"none": (6_705_152, 7_819_264), "full": (2_823_104, 9_261_056)}
+
+
+@pytest.mark.parametrize("model,kv,checkpoint,forward,backward", [
+    ("Mistral-7B-v0.1", 2, "none", *AMP_LLAMA["none"]),
+    ("Mistral-7B-v0.1", 2, "full", *AMP_LLAMA["full"]),
+    ("Qwen2.5-7B", 2, "none", *AMP_LLAMA["none"]),
+    ("Qwen2.5-7B", 2, "full", *AMP_LLAMA["full"]),
+    ("Qwen3-8B", 2, "none", 7_053_312, 8_167_424),
+    ("Qwen3-8B", 2, "full", 2_823_104, 9_347_072),
+    ("gemma-7b", 8, "none", 7_294_976, 8_409_088),
+    ("gemma-7b", 8, "full", 2_823_104, 9_850_880),
+    ("Phi-3-mini-4k-instruct", 8, "none", 7_819_264, 9_850_880)])
+def test_compiled_autocast_hf_layers(model: str, kv: int, checkpoint: str, forward: int,
+                                     backward: int) -> None:
+    """transformers' layers of other families under autocast (fp32 weights, bf16 compute),
+    compiled, 2 x 256 tokens (T 512, h 256, 8 heads of 32, ffn 896; one kernel per scheduler
+    node, GPU realization rules), ``checkpoint`` none or full (the checkpoint inside the
+    graph), the traces' peaks less one fp32 residual-stream tensor. Each family memplan
+    refused under autocast before, now expressed, the forward exact but under full
+    recompute (5,056 B: the CPU generator's state, as for Llama's layer), the backward exact:
+
+    - Qwen2.5's q/k/v biases (fp32 parameters: the bias is added inside the projection's
+      bf16 matmul, nothing more saved) and Mistral's sliding window longer than the sequence
+      (transformers passes SDPA no mask): the Llama layer's bytes;
+    - Qwen3's per-head q/k RMSNorms before the transpose: without recompute q_proj's and
+      k_proj's bf16 outputs (the norms' inputs, T x 256 x 2 + T x 64 x 2 = 327,680) and the
+      norms' statistics (T x (8 + 2) x 4 = 20,480) saved beside the Llama layer's set, the
+      forward 348,160 B above it; with full recompute rebuilt in the backward;
+    - Gemma's GeGLU (GELU's tanh form) with all 8 KV heads, Gemma's ``1 + weight`` norms;
+    - Phi-3's fused qkv and gate/up projections without recompute (with full recompute it
+      is refused: the rebuilt forward holds more, the backward 5.1% under)."""
+    config = hf(model, **AMP_TOY, num_key_value_heads=kv)
+    model_forward, model_backward, traced_forward, traced_backward = _hf_amp_layer_peaks(
+        config, checkpoint)
+    assert (traced_forward, traced_backward) == (forward, backward)
+    assert model_forward == forward - (5_056 if checkpoint == "full" else 0)
+    assert model_backward == backward
+    if model == "Qwen3-8B" and checkpoint == "none":
+        assert forward - AMP_LLAMA["none"][0] == 512 * (256 + 64) * 2 + 512 * 10 * 4

@@ -162,11 +162,17 @@ def test_compiled_lora_layer_terms() -> None:
 @pytest.mark.parametrize(("model", "update", "why"), [
     ("mixtral-8x7b", {}, "MoE layers"),
     ("tiny", {"precision": "amp-bf16", "fused_qkv": True},
-     "precision amp-bf16 and a fused qkv projection without recompute"),
+     "precision amp-bf16 and torchtitan's fused wqkv without recompute"),
     ("tiny", {"precision": "amp-bf16", "lora_rank": 8}, "precision amp-bf16 and LoRA"),
     ("tiny", {"precision": "amp-fp16", "recompute": "full", "compile_in_checkpoint": True},
      "precision amp-fp16 and the activation checkpoint around"),
-    ("qwen3-8b", {"precision": "amp-bf16"}, "precision amp-bf16 and q/k norms"),
+    ("lfm2-1.2b", {"precision": "amp-bf16"}, "precision amp-bf16 and q/k norms other than"),
+    ("granite-3.3-8b", {"precision": "amp-bf16"}, "scaled residual"),
+    ("command-r7b", {"precision": "amp-bf16"}, "LayerNorm"),
+    ("phi-3-mini-4k", {"precision": "amp-bf16", "recompute": "full", "seq_len": 1024},
+     "fused gate and up projections with recompute"),
+    ("mistral-7b", {"precision": "amp-bf16", "seq_len": 4096},
+     "sliding-window attention over a sequence as long as the window"),
     ("tiny", {"attention": "eager"}, "attention eager"),
     ("tiny", {"lora_rank": 8, "base_quant": "nf4"}, "base_quant nf4"),
     ("tiny", {"lora_rank": 8, "recompute": "full"}, "checkpoint inside the compiled graph"),
@@ -254,8 +260,8 @@ def test_compiled_autocast_fused_qkv_under_full_recompute() -> None:
     v 4,096 each, SDPA's output 8,192 and logsumexp 1,024, the attention weights' casts
     24,576: 58,624, less the kept wqkv output T*128*2 = 16,384, SDPA's output and
     logsumexp: 33,024), the gate weight's cast not made (22,528), the output projection's
-    made (64*64*2 = 8,192): 47,360 below full's. Without recompute a fused projection stays
-    refused."""
+    made (64*64*2 = 8,192): 47,360 below full's. Without recompute torchtitan's fused wqkv
+    stays refused."""
     full = AMP.model_copy(update={"recompute": Recompute.FULL, "fused_qkv": True})
     validate(TINY, ParallelConfig(), full)
     dm = Dims.of(TINY, ParallelConfig(), full)
@@ -269,7 +275,7 @@ def test_compiled_autocast_fused_qkv_under_full_recompute() -> None:
     for m in layer_kind(TINY, sac, dm, False, Recompute.SELECTIVE).moments:
         assert rebuilt[m.name].alive_bytes - m.alive_bytes == (
             47_360 if m.name == "mlp_act" else 0)
-    with pytest.raises(LayoutError, match="a fused qkv projection without recompute"):
+    with pytest.raises(LayoutError, match="torchtitan's fused wqkv without recompute"):
         validate(TINY, ParallelConfig(), full.model_copy(update={"recompute": Recompute.NONE}))
 
 
@@ -782,3 +788,15 @@ def test_float8_lpmf_grad_in_first_leaves_full_ac_out() -> None:
         dm = Dims.of(spec, ParallelConfig(), wl)
         found[recompute] = compiled.float8_lpmf_grad_in_first(spec, wl, dm, linears)
     assert found == {Recompute.FULL: None, Recompute.SELECTIVE: 5_931_028}
+
+
+@pytest.mark.parametrize(("model", "update"), [
+    ("qwen2.5-7b", {}), ("qwen3-8b", {}), ("gemma-7b", {}), ("mistral-7b", {"seq_len": 2048}),
+    ("qwen3-8b", {"recompute": "full"}), ("phi-3-mini-4k", {"seq_len": 1024})])
+def test_compile_under_autocast_accepts_the_traced_families(model: str, update: dict) -> None:
+    """The families traced under autocast (tests/traced/test_compile_trace.py
+    ``test_compiled_autocast_hf_layers``: q/k/v biases, Qwen3's q/k norms, GeGLU, a sliding
+    window longer than the sequence, Phi-3's fused projections without recompute) pass the
+    compile rule, where the rest stays refused (``test_compile_refuses_what_is_not_modelled``)."""
+    wl = Workload.model_validate({**WL.model_dump(), "precision": "amp-bf16", **update})
+    validate(load_model(model), ParallelConfig(), wl)
