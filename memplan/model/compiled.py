@@ -213,10 +213,21 @@ def autocast_checkpointed_forward_bytes(spec: ModelSpec, dm: Dims) -> int | None
     weight's cast (h x f / t), all in the compute dtype. Traced: tests/traced/
     test_compile_trace.py, amp-bf16 inside full checkpointing (beside it the CPU generator's
     state the checkpoint saves, 5,056 B, not counted: a CUDA generator's is a seed and an
-    offset). None where it does not apply."""
+    offset). A fused gate/up projection (``_fused_gate_up_kernel``: Phi-3's) peaks at its
+    matmul, beside the output projection's output and the MLP norm's cast, its weight's cast
+    (2 h x f / t) and its output (2 T x f / t), or at the product's kernel (the product a
+    buffer of its own), the norm's cast freed by then: the output projection's output and
+    three T x f / t (traced: benchmarks/compiled_backward.py, Phi-3's layer, amp-bf16 inside
+    full checkpointing, 2 x 256 tokens the matmul's 3,276,800 B, 2 x 1,024 the kernel's
+    12,058,624 B, each with the CPU generator's state besides; memplan was 14.1% and
+    17.9% under with the separate projections' moment). None where it does not apply."""
     if not (dm.compiled and dm.autocast):
         return None
     inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    if _fused_gate_up_kernel(spec, dm):
+        out = dm.rows * spec.hidden_size * dm.e
+        return max(2 * out + 2 * inner + 2 * spec.hidden_size * spec.ffn_hidden_size // dm.tp
+                   * dm.e, out + 3 * inner)
     return (2 * dm.rows * spec.hidden_size * dm.e + 2 * inner
             + spec.hidden_size * spec.ffn_hidden_size // dm.tp * dm.e)
 
@@ -334,8 +345,7 @@ def swiglu_backward(spec: ModelSpec, dm: Dims, recompute: Recompute) -> bool:
     writing the product and both input gradients (six T x f beside the rebuilt set), the
     down projection's weight gradient after it: 7,884,800 B traced, memplan exact (the eager
     order's moments were 9.1% under)."""
-    return ((_gated_kernel(spec, dm)
-             or _fused_gate_up_kernel(spec, dm) and dm.rerun and not dm.autocast)
+    return ((_gated_kernel(spec, dm) or _fused_gate_up_kernel(spec, dm) and dm.rerun)
             and spec.mlp in (MlpKind.SWIGLU, MlpKind.GEGLU)
             and spec.dropout == 0
             and dm.float8 is Float8Recipe.NONE and recompute is Recompute.NONE)

@@ -1829,7 +1829,8 @@ AMP_LLAMA = {"none": (6_705_152, 7_819_264), "full": (2_823_104, 9_261_056)}
     ("Qwen3-8B", 2, "full", 2_823_104, 9_347_072),
     ("gemma-7b", 8, "none", 7_294_976, 8_409_088),
     ("gemma-7b", 8, "full", 2_823_104, 9_850_880),
-    ("Phi-3-mini-4k-instruct", 8, "none", 7_819_264, 9_850_880)])
+    ("Phi-3-mini-4k-instruct", 8, "none", 7_819_264, 9_850_880),
+    ("Phi-3-mini-4k-instruct", 8, "full", 3_281_856, 10_375_168)])
 def test_compiled_autocast_hf_layers(model: str, kv: int, checkpoint: str, forward: int,
                                      backward: int) -> None:
     """transformers' layers of other families under autocast (fp32 weights, bf16 compute),
@@ -1847,8 +1848,10 @@ def test_compiled_autocast_hf_layers(model: str, kv: int, checkpoint: str, forwa
       norms' statistics (T x (8 + 2) x 4 = 20,480) saved beside the Llama layer's set, the
       forward 348,160 B above it; with full recompute rebuilt in the backward;
     - Gemma's GeGLU (GELU's tanh form) with all 8 KV heads, Gemma's ``1 + weight`` norms;
-    - Phi-3's fused qkv and gate/up projections without recompute (with full recompute it
-      is refused: the rebuilt forward holds more, the backward 5.1% under)."""
+    - Phi-3's fused qkv and gate/up projections (full recompute: as
+      ``test_compiled_autocast_fused_gate_up_rebuilt`` at 2 x 1,024; memplan was 14.1%
+      under in the forward and 5.1% in the backward with the separate projections' moments,
+      and refused)."""
     config = hf(model, **AMP_TOY, num_key_value_heads=kv)
     model_forward, model_backward, traced_forward, traced_backward = _hf_amp_layer_peaks(
         config, checkpoint)
@@ -1857,3 +1860,48 @@ def test_compiled_autocast_hf_layers(model: str, kv: int, checkpoint: str, forwa
     assert model_backward == backward
     if model == "Qwen3-8B" and checkpoint == "none":
         assert forward - AMP_LLAMA["none"][0] == 512 * (256 + 64) * 2 + 512 * 10 * 4
+
+
+def test_compiled_autocast_fused_gate_up_rebuilt() -> None:
+    """transformers' Phi-3 layer (fused qkv_proj and gate_up_proj; h 256, 8 heads of 32, all
+    8 KV heads, ffn 896) under autocast (fp32 weights, bf16 compute), compiled, the
+    checkpoint inside the graph, 2 x 1,024 tokens (T 2,048; one kernel per scheduler node, GPU
+    realization rules). By hand, S = T h 2 = 1,048,576, F = T f 2 = 3,670,016, W = h f 2 =
+    458,752, beside the held output (T h fp32, 2 S):
+
+    - forward, at the product's kernel: the output projection's output S, the fused gate/up
+      output 2 F and the product F (a buffer of its own: ``compiled.
+      autocast_checkpointed_forward_bytes``), the MLP norm's cast freed after the fused
+      matmul: 12,058,624 B, the trace 5,056 B more (the CPU generator's state);
+    - backward, at the rebuilt SwiGLU kernel (``compiled.swiglu_backward``, as in bf16):
+      the rebuilt attention side (the incoming gradient's bf16 cast, the input norm's cast,
+      the fused qkv output 3 S, RoPE'd q and k 2 S, SDPA's output and its token-major copy,
+      the o_proj output, the MLP norm's cast: 11 S), the norms' statistics 2 x T x 4, the
+      logsumexp 2 x 8 x 1,024 x 4, the transposed weight casts of qkv (3 h h 2 = 393,216),
+      o_proj (h h 2) and gate/up (2 W), the rerun's fused output, the product's gradient,
+      the kernel's product and fused gradient (six F), no weight gradient made: 37,175,296 B,
+      the trace exact (memplan 32,325,632 B before: the eager SwiGLU moment with the down
+      weight's gradient made first, -13.0%; the forward -17.9%)."""
+    s, f, w, t = 1_048_576, 3_670_016, 458_752, 2_048
+    forward = s + 3 * f
+    backward = (11 * s + 2 * t * 4 + 2 * 8 * 1_024 * 4 + 3 * 256 * 256 * 2
+                + 256 * 256 * 2 + 2 * w + 6 * f)  # beside the held output
+    assert (forward, backward + 2 * s) == (12_058_624, 37_175_296)
+    config = hf("Phi-3-mini-4k-instruct", **AMP_TOY, num_key_value_heads=8)
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
+
+    spec = spec_from_hf_dict(config, "toy", "toy")
+    wl = Workload(micro_batch_size=2, seq_len=1024, precision="amp-bf16", compile=True,
+                  recompute=Recompute.FULL)
+    validate(spec, ParallelConfig(), wl)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, Recompute.FULL)
+    stream = dm.rows * spec.hidden_size * 4
+    _, traced_forward, traced_backward = compiled_layer_step(
+        config, "float32", 2, 1024, autocast="bfloat16", checkpoint="full", gpu_realize=True)
+    assert (traced_forward, traced_backward) == (forward + 5_056, backward + 2 * s)
+    assert kind.forward_peak_bytes - stream == forward
+    assert _model_backward(kind, grad_group_params(spec, 1, 1, False), 4, stream) == (
+        backward + 2 * s)
