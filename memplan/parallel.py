@@ -715,9 +715,9 @@ def _compile_autocast_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     Mistral's (a sliding window longer than the sequence: no mask) and Phi-3's (fused qkv
     and fused gate/up, real RoPE: ``compiled.autocast_checkpointed_forward_bytes``, the
     rebuilt SwiGLU kernels of ``compiled.swiglu_backward``), recompute none or full, Phi-3's
-    also at 2 x 1,024. Refused, traced over:
-    Granite's scaled residual branches (+0.8% and +2.8%) and Command R's parallel block
-    (+7.7% and +3.4%)."""
+    also at 2 x 1,024, and Granite's (scaled residual branches: ``compiled.
+    scaled_residual_grad``). Refused, traced over: Command R's parallel block with its
+    LayerNorm (+7.7% and +3.4%)."""
     odd = [(spec.norm.value != "rmsnorm", "LayerNorm"),
            (spec.position.value != "rope" or spec.rope_complex or spec.rope_keeps_dtype
             or spec.rope_interleaved or spec.rope_half_tables or spec.rope_per_layer_type
@@ -743,7 +743,6 @@ def _compile_autocast_refusal(spec: ModelSpec, wl: Workload) -> str | None:
            (spec.attn_logit_softcap is not None, "attention logit soft-capping"),
            (spec.parallel_block, "parallel attention and MLP"),
            (spec.dropout > 0, "dropout"),
-           (spec.scaled_residual, "scaled residual branches"),
            (spec.mlp.value not in ("swiglu", "geglu")
             or spec.activation_impl.value != "kernel",
             "an MLP other than SwiGLU or GeGLU"),
@@ -949,7 +948,8 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
                        "and Gemma 3's sandwich-norm layers in one dtype, recompute none or "
                        "full; under "
                        "autocast a dense pre-norm layer (RMSNorm, RoPE, q/k/v biases or "
-                       "none, Qwen3's q/k norms, SwiGLU or GeGLU, fused gate/up, "
+                       "none, Qwen3's q/k norms, scaled residuals, SwiGLU or GeGLU, "
+                       "fused gate/up, "
                        "transformers' fused qkv) without adapters or "
                        "float8 on one TP rank, recompute none or full, torchtitan's fused "
                        "wqkv with full recompute or per-op SAC; LoRA on unquantized or torchao NF4 base weights "

@@ -1825,6 +1825,8 @@ AMP_LLAMA = {"none": (6_705_152, 7_819_264), "full": (2_823_104, 9_261_056)}
     ("Mistral-7B-v0.1", 2, "full", *AMP_LLAMA["full"]),
     ("Qwen2.5-7B", 2, "none", *AMP_LLAMA["none"]),
     ("Qwen2.5-7B", 2, "full", *AMP_LLAMA["full"]),
+    ("granite-3.3-8b-instruct", 2, "none", *AMP_LLAMA["none"]),
+    ("granite-3.3-8b-instruct", 2, "full", *AMP_LLAMA["full"]),
     ("Qwen3-8B", 2, "none", 7_053_312, 8_167_424),
     ("Qwen3-8B", 2, "full", 2_823_104, 9_347_072),
     ("gemma-7b", 8, "none", 7_294_976, 8_409_088),
@@ -1841,8 +1843,10 @@ def test_compiled_autocast_hf_layers(model: str, kv: int, checkpoint: str, forwa
     recompute (5,056 B: the CPU generator's state, as for Llama's layer), the backward exact:
 
     - Qwen2.5's q/k/v biases (fp32 parameters: the bias is added inside the projection's
-      bf16 matmul, nothing more saved) and Mistral's sliding window longer than the sequence
-      (transformers passes SDPA no mask): the Llama layer's bytes;
+      bf16 matmul, nothing more saved), Mistral's sliding window longer than the sequence
+      (transformers passes SDPA no mask) and Granite's scaled residual branches (the
+      multiplier fused into the incoming gradient's cast: ``compiled.scaled_residual_grad``;
+      memplan one rows x h over before, +0.8% and +2.8%): the Llama layer's bytes;
     - Qwen3's per-head q/k RMSNorms before the transpose: without recompute q_proj's and
       k_proj's bf16 outputs (the norms' inputs, T x 256 x 2 + T x 64 x 2 = 327,680) and the
       norms' statistics (T x (8 + 2) x 4 = 20,480) saved beside the Llama layer's set, the
