@@ -140,10 +140,16 @@ def norm_input_e(prefix: str, dm: Dims, spec: ModelSpec | None = None) -> int:
     recomputed from the layer's input and the post-attention norm's saved input (the output
     projection's output) and statistics, all saved anyway: nothing (``spec``: the layer's;
     traced: benchmarks/compiled_backward.py, Gemma 2's layer, bf16: the saved set holds no
-    tensor for it)."""
+    tensor for it). A sandwich layer's post norms read a projection's output (the output
+    projection's, the down projection's), saved as it is, in the compute dtype: under
+    autocast half the fp32 stream's size (traced: tests/traced/test_compile_trace.py, Gemma
+    2's layer, amp-bf16: ``mm_3`` and ``mm_6``, T x h in bf16)."""
     if (dm.compiled and prefix == "mlp_norm" and spec is not None
             and spec.norm_placement is NormPlacement.SANDWICH):
         return 0
+    if (dm.compiled and prefix in ("attn_post_norm", "mlp_post_norm") and spec is not None
+            and spec.norm_placement is NormPlacement.SANDWICH):
+        return dm.e  # a projection's output
     return dm.e if dm.compiled and prefix == "mlp_norm" else dm.stream_e
 
 
@@ -220,15 +226,20 @@ def autocast_checkpointed_forward_bytes(spec: ModelSpec, dm: Dims) -> int | None
     three T x f / t (traced: benchmarks/compiled_backward.py, Phi-3's layer, amp-bf16 inside
     full checkpointing, 2 x 256 tokens the matmul's 3,276,800 B, 2 x 1,024 the kernel's
     12,058,624 B, each with the CPU generator's state besides; memplan was 14.1% and
-    17.9% under with the separate projections' moment). None where it does not apply."""
+    17.9% under with the separate projections' moment). With sandwich norms (Gemma 2's and
+    3's layers) the residual sum at the layer's end is recomputed from the output
+    projection's output through the post-attention norm, whose statistics (rows fp32) are
+    held beside it (traced: Gemma 2's layer, amp-bf16, 2 x 256 tokens: ``buf23``, written by
+    the pre-feedforward norm's kernel, read by the last). None where it does not apply."""
     if not (dm.compiled and dm.autocast):
         return None
     inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    stats = dm.rows * FP32_BYTES if spec.norm_placement is NormPlacement.SANDWICH else 0
     if _fused_gate_up_kernel(spec, dm):
         out = dm.rows * spec.hidden_size * dm.e
-        return max(2 * out + 2 * inner + 2 * spec.hidden_size * spec.ffn_hidden_size // dm.tp
-                   * dm.e, out + 3 * inner)
-    return (2 * dm.rows * spec.hidden_size * dm.e + 2 * inner
+        return stats + max(2 * out + 2 * inner + 2 * spec.hidden_size * spec.ffn_hidden_size
+                           // dm.tp * dm.e, out + 3 * inner)
+    return (2 * dm.rows * spec.hidden_size * dm.e + 2 * inner + stats
             + spec.hidden_size * spec.ffn_hidden_size // dm.tp * dm.e)
 
 
@@ -362,7 +373,10 @@ def autocast_grads(dm: Dims, stream: int, out_cast: int) -> tuple[int, int]:
     weight gradient, which a rebuilt layer runs after the activation's kernel). The weight
     gradients' bf16 outputs are cast to fp32 each right after its matmul and freed (traced
     with ``swiglu_backward``'s cases: at the activation's kernel the down projection's
-    gradient exists in fp32 alone)."""
+    gradient exists in fp32 alone). With a norm after the MLP (``swiglu_moments``'
+    ``post_grad``) that norm's backward writes the down projection's output gradient in the
+    compute dtype, the matmuls' operand: no cast (``stream`` 0; traced: Gemma 2's and 3's
+    layers, amp-bf16, 2 x 256 tokens, without recompute: memplan one rows x h over before)."""
     return (out_cast, stream) if dm.compiled and dm.autocast else (0, 0)
 
 
@@ -449,7 +463,7 @@ def swiglu_moments(wl: Workload, dm: Dims, saved: int, inner: int, grad_inputs: 
     product freed by the weight gradient's matmul before it and its gradient made (traced:
     OLMo 2's layer, bf16, 2 x 1,024 tokens, without recompute and rebuilt: the product's
     gradient in its buffer). ``scaled_grad``: ``scaled_residual_grad``."""
-    freed, cast = autocast_grads(dm, grad_inputs // 2, out_cast)
+    freed, cast = autocast_grads(dm, 0 if post_grad else grad_inputs // 2, out_cast)
     rebuilt = dm.rerun and not in_checkpoint(wl) and not whole
     # the scaled gradient: not rebuilt as ``post_grad``, rebuilt as the incoming gradient's cast
     post_grad, cast = ((post_grad, cast + scaled_grad) if rebuilt
@@ -577,7 +591,8 @@ def with_post_norm_schedule(moments: Sequence[LayerMoment], spec: ModelSpec, wl:
         return list(moments)
     post = spec.norm_placement is NormPlacement.POST
     rebuilt = recompute is Recompute.FULL and not in_checkpoint(wl)
-    kept = dm.rows * spec.hidden_size * dm.e + dm.rows * FP32_BYTES if post or not rebuilt else 0
+    kept = (dm.rows * spec.hidden_size * dm.e + dm.rows * FP32_BYTES
+            if post or not (rebuilt or dm.autocast) else 0)
     normed = sandwich_rerun_norm_bytes(spec, dm) if rebuilt else 0
     out, state = [], "before"
     for m in moments:

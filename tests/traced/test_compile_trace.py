@@ -1180,12 +1180,16 @@ def test_compiled_post_norm_layer_matches_trace(checkpoint: str, saved: int, for
 GEMMA2 = hf("gemma-2-9b", **GEMMA2_TOY)
 
 
-def _hf_layer_peaks(config: dict, checkpoint: str) -> tuple[int, int, int, int]:
+def _hf_layer_peaks(config: dict, checkpoint: str, amp: bool = False
+                    ) -> tuple[int, int, int, int]:
     """One transformers layer of ``config`` in bf16, compiled, at 2 x 256 tokens (one kernel
     per scheduler node, GPU realization rules), ``checkpoint`` none or full (the checkpoint
     inside the graph): memplan's (forward peak, backward peak), each less one residual-stream
     tensor (its input and incoming gradient against the trace's held output), and the
-    trace's. The layout is validated first: the layer is not refused."""
+    trace's. The layout is validated first: the layer is not refused. ``amp``: under
+    autocast instead (fp32 weights, ``torch.autocast`` to bf16 around the compiled forward,
+    accelerate's ``prepare_model``: ``compiled_trace._autocast``; precision ``amp-bf16``, the
+    residual stream and the weights' gradients in fp32)."""
     from memplan.model.layer import grad_group_params
     from memplan.parallel import validate
     from recorded import compiled_layer_step  # tests/traced/recorded.py
@@ -1193,15 +1197,21 @@ def _hf_layer_peaks(config: dict, checkpoint: str) -> tuple[int, int, int, int]:
     batch, seq = 2, 256
     spec = spec_from_hf_dict(config, "toy", "toy")
     recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
-    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure", compile=True,
-                  recompute=recompute)
+    wl = Workload(micro_batch_size=batch, seq_len=seq, compile=True, recompute=recompute,
+                  precision="amp-bf16" if amp else "bf16-pure")
     validate(spec, ParallelConfig(), wl)
     dm = Dims.of(spec, ParallelConfig(), wl)
     kind = layer_kind(spec, wl, dm, False, recompute)
-    s = dm.rows * spec.hidden_size * dm.e
-    model_backward = _model_backward(kind, grad_group_params(spec, 1, 1, False), 2) - s
+    e = dm.stream_e  # the residual stream's and the weights' gradients'
+    s = dm.rows * spec.hidden_size * e
+    groups = grad_group_params(spec, 1, 1, False)
+    model_backward = (_model_backward(kind, groups, e, s) if amp
+                      else _model_backward(kind, groups, e) - s)
+    # (the records' calls as made: the autocast keyword only where it is set)
+    cast = {"autocast": "bfloat16"} if amp else {}
     _, traced_forward, traced_backward = compiled_layer_step(
-        config, "bfloat16", batch, seq, checkpoint=checkpoint, gpu_realize=True)
+        config, "float32" if amp else "bfloat16", batch, seq, **cast, checkpoint=checkpoint,
+        gpu_realize=True)
     return kind.forward_peak_bytes - s, model_backward, traced_forward, traced_backward
 
 
@@ -1788,30 +1798,6 @@ def test_compiled_titan_moe_block_with_a_shared_expert(seq: int, width: int, sav
     assert _model_backward(kind, groups, 2) - stream - traced_backward == diff
 
 
-def _hf_amp_layer_peaks(config: dict, checkpoint: str) -> tuple[int, int, int, int]:
-    """``_hf_layer_peaks`` under autocast: fp32 weights, ``torch.autocast`` to bf16 around
-    the compiled forward (accelerate's ``prepare_model``: ``compiled_trace._autocast``),
-    precision ``amp-bf16``; the residual stream and the weights' gradients in fp32."""
-    from memplan.model.layer import grad_group_params
-    from memplan.parallel import validate
-    from recorded import compiled_layer_step  # tests/traced/recorded.py
-
-    batch, seq = 2, 256
-    spec = spec_from_hf_dict(config, "toy", "toy")
-    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
-    wl = Workload(micro_batch_size=batch, seq_len=seq, precision="amp-bf16", compile=True,
-                  recompute=recompute)
-    validate(spec, ParallelConfig(), wl)
-    dm = Dims.of(spec, ParallelConfig(), wl)
-    kind = layer_kind(spec, wl, dm, False, recompute)
-    s = dm.rows * spec.hidden_size * 4
-    model_backward = _model_backward(kind, grad_group_params(spec, 1, 1, False), 4, s)
-    _, traced_forward, traced_backward = compiled_layer_step(
-        config, "float32", batch, seq, autocast="bfloat16", checkpoint=checkpoint,
-        gpu_realize=True)
-    return kind.forward_peak_bytes - s, model_backward, traced_forward, traced_backward
-
-
 # benchmarks/compiled_backward.py's "hf:" widths
 AMP_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
                num_attention_heads=8, head_dim=32, vocab_size=1000)
@@ -1857,8 +1843,8 @@ def test_compiled_autocast_hf_layers(model: str, kv: int, checkpoint: str, forwa
       under in the forward and 5.1% in the backward with the separate projections' moments,
       and refused)."""
     config = hf(model, **AMP_TOY, num_key_value_heads=kv)
-    model_forward, model_backward, traced_forward, traced_backward = _hf_amp_layer_peaks(
-        config, checkpoint)
+    model_forward, model_backward, traced_forward, traced_backward = _hf_layer_peaks(
+        config, checkpoint, amp=True)
     assert (traced_forward, traced_backward) == (forward, backward)
     assert model_forward == forward - (5_056 if checkpoint == "full" else 0)
     assert model_backward == backward
@@ -1909,3 +1895,46 @@ def test_compiled_autocast_fused_gate_up_rebuilt() -> None:
     assert kind.forward_peak_bytes - stream == forward
     assert _model_backward(kind, grad_group_params(spec, 1, 1, False), 4, stream) == (
         backward + 2 * s)
+
+
+@pytest.mark.parametrize("model,checkpoint,forward,backward", [
+    ("gemma2", "none", 6_905_856, 8_018_944), ("gemma2", "full", 2_825_152, 8_805_376),
+    ("gemma3", "none", 7_323_648, 8_436_736), ("gemma3", "full", 2_825_152, 9_223_168)])
+def test_compiled_autocast_sandwich_layers(model: str, checkpoint: str, forward: int,
+                                           backward: int) -> None:
+    """transformers' Gemma 2 and Gemma 3 layers (sandwich norms, GeGLU; Gemma 3's per-head
+    q/k norms on the transposed q and k; h 256, 8 heads of 32, 4 KV heads, ffn 896) under
+    autocast (fp32 weights, bf16 compute), compiled, 2 x 256 tokens (one kernel per
+    scheduler node, GPU realization rules), the traces' peaks less one fp32 residual-stream
+    tensor. memplan refused them before; traced, they differ from the bf16 layers in three
+    places, each now modelled:
+
+    - the post norms' inputs are saved as the projections wrote them, in bf16
+      (``compiled.norm_input_e``; memplan counted the fp32 stream's size: +2 S in the
+      forward, +7.6%);
+    - without recompute the MLP post norm's backward runs first (its weight's reduction,
+      then its input gradient written into its saved input: ``with_post_norm_schedule``
+      holds nothing), and that gradient, in bf16, is the down projection's operand: no cast
+      of the incoming gradient (``swiglu_moments``; before +4.1% and +3.7%);
+    - the checkpointed forward holds the post-attention norm's statistics beside the output
+      projection's output, for the residual sum rebuilt at the layer's end (``compiled.
+      autocast_checkpointed_forward_bytes``; T x 4 under before).
+
+    By hand, Gemma 2 without recompute, S = T h 2 = 262,144, F = T f 2 = 917,504, W = h f 2
+    = 458,752: the forward's peak is its saved set beside the fp32 input (2 S): the input
+    norm's output, RoPE'd q, SDPA's output, the two post norms' inputs and the pre-
+    feedforward norm's output (6 S), k and v 2 x 131,072, the logsumexp 16,384, gate, up and
+    the product 3 F, four norms' statistics 4 x T x 4, the weights' bf16 casts (gate, up,
+    down 3 W; q and o 2 x 131,072; k and v 2 x 65,536): 6,905,856 B. The full recompute's
+    forward is 5,056 B above memplan's (the CPU generator's state); every other peak exact."""
+    s, f, w, t = 262_144, 917_504, 458_752, 512
+    if model == "gemma2" and checkpoint == "none":
+        assert forward == (2 * s + 6 * s + 2 * 131_072 + 16_384 + 3 * f + 4 * t * 4 + 3 * w
+                           + 2 * 131_072 + 2 * 65_536)
+    config = (GEMMA2 if model == "gemma2"
+              else hf("gemma-3-12b-pt", **AMP_TOY, num_key_value_heads=4))
+    model_forward, model_backward, traced_forward, traced_backward = _hf_layer_peaks(
+        config, checkpoint, amp=True)
+    assert (traced_forward, traced_backward) == (forward, backward)
+    assert model_forward == forward - (5_056 if checkpoint == "full" else 0)
+    assert model_backward == backward

@@ -167,6 +167,7 @@ def test_compiled_lora_layer_terms() -> None:
     ("tiny", {"precision": "amp-fp16", "recompute": "full", "compile_in_checkpoint": True},
      "precision amp-fp16 and the activation checkpoint around"),
     ("lfm2-1.2b", {"precision": "amp-bf16"}, "precision amp-bf16 and q/k norms other than"),
+    ("olmo-2-7b", {"precision": "amp-bf16"}, "post norms and precision amp-bf16"),
     ("command-r7b", {"precision": "amp-bf16"}, "LayerNorm"),
     ("phi-3-mini-4k", {"precision": "amp-bf16", "recompute": "selective",
                        "selective_impl": "op", "seq_len": 1024},
@@ -793,12 +794,13 @@ def test_float8_lpmf_grad_in_first_leaves_full_ac_out() -> None:
 @pytest.mark.parametrize(("model", "update"), [
     ("qwen2.5-7b", {}), ("qwen3-8b", {}), ("gemma-7b", {}), ("mistral-7b", {"seq_len": 2048}),
     ("granite-3.3-8b", {}), ("granite-3.3-8b", {"recompute": "full"}),
+    ("gemma-2-9b", {"seq_len": 2048}), ("gemma-3-12b", {"seq_len": 512, "recompute": "full"}),
     ("qwen3-8b", {"recompute": "full"}), ("phi-3-mini-4k", {"seq_len": 1024}),
     ("phi-3-mini-4k", {"seq_len": 1024, "recompute": "full"})])
 def test_compile_under_autocast_accepts_the_traced_families(model: str, update: dict) -> None:
     """The families traced under autocast (tests/traced/test_compile_trace.py
     ``test_compiled_autocast_hf_layers``: q/k/v biases, Qwen3's q/k norms, GeGLU, Granite's
-    scaled residual, a sliding
+    scaled residual, Gemma 2's and 3's sandwich norms, a sliding
     window longer than the sequence, Phi-3's fused projections) pass the
     compile rule, where the rest stays refused (``test_compile_refuses_what_is_not_modelled``)."""
     wl = Workload.model_validate({**WL.model_dump(), "precision": "amp-bf16", **update})
