@@ -952,17 +952,16 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
                        "modelled yet (compile is modelled for pre-norm layers, dense or "
                        "with transformers' bf16 grouped experts, SDPA attention; OLMo 2's "
                        "post-norm layer in one dtype, recompute none or full, Gemma 2's "
-                       "and Gemma 3's sandwich-norm layers in one dtype, recompute none or "
-                       "full; under "
+                       "and Gemma 3's sandwich-norm layers, recompute none or full; under "
                        "autocast a dense pre-norm layer (RMSNorm, RoPE, q/k/v biases or "
-                       "none, Qwen3's q/k norms, scaled residuals, SwiGLU or GeGLU, "
-                       "fused gate/up, "
-                       "transformers' fused qkv) without adapters or "
-                       "float8 on one TP rank, recompute none or full, torchtitan's fused "
-                       "wqkv with full recompute or per-op SAC; LoRA on unquantized or torchao NF4 base weights "
-                       "(with full recompute: compile_in_checkpoint; on the MLP, all of a "
-                       "gated MLP's gate, up and down, no adapter dropout), "
-                       "recompute none, full or per-op SAC)")
+                       "none, Qwen3's q/k norms, scaled residuals, SwiGLU or GeGLU, fused "
+                       "gate/up, transformers' fused qkv) or Gemma 2's and 3's sandwich "
+                       "layers, without adapters or float8 on one TP rank, recompute none "
+                       "or full, torchtitan's fused wqkv with full recompute or per-op SAC; "
+                       "LoRA on unquantized or torchao NF4 base weights (with full "
+                       "recompute: compile_in_checkpoint; on the MLP, all of a gated MLP's "
+                       "gate, up and down, no adapter dropout), recompute none, full or "
+                       "per-op SAC)")
 
 
 def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:

@@ -251,7 +251,7 @@ def with_lpmf_order(moments: Sequence[LayerMoment], spec: ModelSpec, dm: Dims,
 
 
 def with_float8_sac_lpmf(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
-                         dm: Dims, linears: Sequence, kept: Sequence[Term],
+                         dm: Dims, linears: Sequence[linear.Linear], kept: Sequence[Term],
                          saved: int) -> list[LayerMoment]:
     """Per-op SAC with tensorwise ``Float8Linear``s on every projection of torchtitan's block
     (separate q/k/v, its complex64 RoPE table: ``compiled.float8_lpmf_grad_in_first``'s
