@@ -152,6 +152,10 @@ CASES = [  # (library: torchtitan, transformers (Llama), olmo2 or gemma2, fused 
       for checkpoint in ("none", "full")],
     *[(library, False, "amp-bf16", checkpoint, 2, 256)
       for library in ("gemma2", "olmo2") for checkpoint in ("none", "full")],
+    # held out: the same at 2 x 1,024 tokens
+    *[(library, False, "amp-bf16", checkpoint, 2, 1024)
+      for library in ("gemma2", "hf:Qwen3-8B:2", "hf:granite-3.3-8b-instruct:2")
+      for checkpoint in ("none", "full")],
 ]
 # the widths of the "hf:" cases: two layers, h 256, 8 heads of 32, ffn 896
 HF_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
