@@ -147,8 +147,8 @@ CASES = [  # (library: torchtitan, transformers (Llama), olmo2 or gemma2, fused 
     *[(f"hf:{name}:{kv}", False, "amp-bf16", checkpoint, 2, 256)
       for name, kv in (("Qwen2.5-7B", 2), ("Mistral-7B-v0.1", 2), ("Qwen3-8B", 2),
                        ("gemma-7b", 8), ("Phi-3-mini-4k-instruct", 8),
-                       ("granite-3.3-8b-instruct", 2), ("c4ai-command-r7b-12-2024", 2),
-                       ("gemma-3-12b-pt", 4))
+                       ("Phi-4-mini-instruct", 2), ("granite-3.3-8b-instruct", 2),
+                       ("c4ai-command-r7b-12-2024", 2), ("gemma-3-12b-pt", 4))
       for checkpoint in ("none", "full")],
     *[(library, False, "amp-bf16", checkpoint, 2, 256)
       for library in ("gemma2", "olmo2") for checkpoint in ("none", "full")],

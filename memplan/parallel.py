@@ -712,16 +712,16 @@ def _compile_autocast_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     the same way (benchmarks/compiled_backward.py's "hf:" cases under ``amp-bf16``, 2 x 256
     tokens, tests/traced/test_compile_trace.py), forward and backward peaks exact: Qwen2.5's
     (q/k/v biases), Qwen3's (per-head q/k RMSNorms before the transpose), Gemma's (GeGLU),
-    Mistral's (a sliding window longer than the sequence: no mask) and Phi-3's (fused qkv
+    Mistral's (a sliding window longer than the sequence: no mask), Phi-3's (fused qkv
     and fused gate/up, real RoPE: ``compiled.autocast_checkpointed_forward_bytes``, the
-    rebuilt SwiGLU kernels of ``compiled.swiglu_backward``), recompute none or full, Phi-3's
-    also at 2 x 1,024, and Granite's (scaled residual branches: ``compiled.
+    rebuilt SwiGLU kernels of ``compiled.swiglu_backward``) and Phi-4-mini's (the same, RoPE
+    on 3/4 of each head), recompute none or full, Phi-3's also at 2 x 1,024, and Granite's (scaled residual branches: ``compiled.
     scaled_residual_grad``). Refused, traced over: Command R's parallel block with its
     LayerNorm (+7.7% and +3.4%)."""
     odd = [(spec.norm.value != "rmsnorm", "LayerNorm"),
            (spec.position.value != "rope" or spec.rope_complex or spec.rope_keeps_dtype
             or spec.rope_interleaved or spec.rope_half_tables
-            or spec.nope_layer_interval > 0 or spec.rotary_dim is not None,
+            or spec.nope_layer_interval > 0,
             "a position encoding other than transformers' full fp32 RoPE"),
            (spec.attn_out_bias or spec.mlp_bias or spec.norm_bias,
             "biases other than the q/k/v projections'"),

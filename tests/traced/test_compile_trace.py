@@ -1818,7 +1818,9 @@ AMP_LLAMA = {"none": (6_705_152, 7_819_264), "full": (2_823_104, 9_261_056)}
     ("gemma-7b", 8, "none", 7_294_976, 8_409_088),
     ("gemma-7b", 8, "full", 2_823_104, 9_850_880),
     ("Phi-3-mini-4k-instruct", 8, "none", 7_819_264, 9_850_880),
-    ("Phi-3-mini-4k-instruct", 8, "full", 3_281_856, 10_375_168)])
+    ("Phi-3-mini-4k-instruct", 8, "full", 3_281_856, 10_375_168),
+    ("Phi-4-mini-instruct", 2, "none", 7_294_976, 9_326_592),
+    ("Phi-4-mini-instruct", 2, "full", 3_281_856, 9_588_736)])
 def test_compiled_autocast_hf_layers(model: str, kv: int, checkpoint: str, forward: int,
                                      backward: int) -> None:
     """transformers' layers of other families under autocast (fp32 weights, bf16 compute),
@@ -1838,7 +1840,8 @@ def test_compiled_autocast_hf_layers(model: str, kv: int, checkpoint: str, forwa
       norms' statistics (T x (8 + 2) x 4 = 20,480) saved beside the Llama layer's set, the
       forward 348,160 B above it; with full recompute rebuilt in the backward;
     - Gemma's GeGLU (GELU's tanh form) with all 8 KV heads, Gemma's ``1 + weight`` norms;
-    - Phi-3's fused qkv and gate/up projections (full recompute: as
+    - Phi-3's fused qkv and gate/up projections, and Phi-4-mini's (RoPE on 3/4 of each
+      head, ``torch.cat``; refused before) (full recompute: as
       ``test_compiled_autocast_fused_gate_up_rebuilt`` at 2 x 1,024; memplan was 14.1%
       under in the forward and 5.1% in the backward with the separate projections' moments,
       and refused)."""

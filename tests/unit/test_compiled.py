@@ -796,7 +796,8 @@ def test_float8_lpmf_grad_in_first_leaves_full_ac_out() -> None:
     ("granite-3.3-8b", {}), ("granite-3.3-8b", {"recompute": "full"}),
     ("gemma-2-9b", {"seq_len": 2048}), ("gemma-3-12b", {"seq_len": 512, "recompute": "full"}),
     ("qwen3-8b", {"recompute": "full"}), ("phi-3-mini-4k", {"seq_len": 1024}),
-    ("phi-3-mini-4k", {"seq_len": 1024, "recompute": "full"})])
+    ("phi-3-mini-4k", {"seq_len": 1024, "recompute": "full"}),
+    ("phi-4-mini", {"seq_len": 1024, "recompute": "full"})])
 def test_compile_under_autocast_accepts_the_traced_families(model: str, update: dict) -> None:
     """The families traced under autocast (tests/traced/test_compile_trace.py
     ``test_compiled_autocast_hf_layers``: q/k/v biases, Qwen3's q/k norms, GeGLU, Granite's
