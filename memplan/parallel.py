@@ -716,12 +716,16 @@ def _compile_autocast_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     and fused gate/up, real RoPE: ``compiled.autocast_checkpointed_forward_bytes``, the
     rebuilt SwiGLU kernels of ``compiled.swiglu_backward``) and Phi-4-mini's (the same, RoPE
     on 3/4 of each head), recompute none or full, Phi-3's also at 2 x 1,024, and Granite's (scaled residual branches: ``compiled.
-    scaled_residual_grad``). Refused, traced over: Command R's parallel block with its
-    LayerNorm (+7.7% and +3.4%)."""
-    odd = [(spec.norm.value != "rmsnorm", "LayerNorm"),
-           (spec.position.value != "rope" or spec.rope_complex or spec.rope_keeps_dtype
-            or spec.rope_interleaved or spec.rope_half_tables
-            or spec.nope_layer_interval > 0,
+    scaled_residual_grad``). Command R's RoPE layer (parallel block, Cohere's LayerNorm,
+    RoPE in the input's dtype: ``compiled_order.with_parallel_attention_first``, ``layer.
+    _first_output_grad``) traced exact without recompute and 5,056 B under with full (the CPU
+    generator's state), but its layers without RoPE are not traced: refused."""
+    odd = [(spec.norm.value != "rmsnorm" and not spec.norm_centres_twice,
+            "a LayerNorm other than Cohere's"),
+           (spec.nope_layer_interval > 0, "layers without RoPE (NoPE)"),
+           (spec.position.value != "rope" or spec.rope_complex
+            or spec.rope_keeps_dtype and not spec.parallel_block
+            or spec.rope_interleaved or spec.rope_half_tables,
             "a position encoding other than transformers' full fp32 RoPE"),
            (spec.attn_out_bias or spec.mlp_bias or spec.norm_bias,
             "biases other than the q/k/v projections'"),
@@ -742,7 +746,6 @@ def _compile_autocast_refusal(spec: ModelSpec, wl: Workload) -> str | None:
            # ``_ignore_causal_mask_sdpa``); traced there only
            (spec.sliding_window is not None and wl.seq_len >= spec.sliding_window,
             "sliding-window attention over a sequence as long as the window"),
-           (spec.parallel_block, "parallel attention and MLP"),
            (spec.dropout > 0, "dropout"),
            (spec.mlp.value not in ("swiglu", "geglu")
             or spec.activation_impl.value != "kernel",

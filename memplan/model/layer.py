@@ -477,6 +477,8 @@ def _compiled_schedule(out: list[LayerMoment], spec: ModelSpec, wl: Workload, dm
     out = compiled.with_deferred_mlp(out, spec, wl, dm)
     # compiled post norms: the MLP post norm's weight gradient with the attention's
     out = compiled.with_post_norm_schedule(out, spec, wl, dm, recompute)
+    # compiled under autocast, a parallel layer's attention backward before the MLP's kernel
+    out = compiled_order.with_parallel_attention_first(out, spec, dm, recompute)
     if (end := compiled.autocast_end_bytes(spec, dm)) is not None:
         # the compiled backward's end: every weight gradient made (``compiled.
         # autocast_end_bytes``), the saved set freed
@@ -543,8 +545,10 @@ def _first_output_grad(spec: ModelSpec, dm: Dims, block: Block) -> int:
     (autograd's ready queue takes the highest sequence number first), and its cast waits for
     the attention's backward. Traced: Cohere2 narrowed, 2 x 1,024 tokens, amp-bf16: full
     recompute's backward was one bf16 stream under (-1.5%). Without autocast the adds pass
-    the gradient itself."""
-    return _branch_grad(spec, dm) if spec.parallel_block and isinstance(block, (Mlp, MoE)) else 0
+    the gradient itself. Compiled, both branches read one cast of the incoming gradient
+    (the graph's first kernel: traced, Command R's layer, amp-bf16, 2 x 256 tokens)."""
+    return (_branch_grad(spec, dm) if spec.parallel_block and isinstance(block, (Mlp, MoE))
+            and not dm.compiled else 0)
 
 
 def _rerun_moments(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block, ...],

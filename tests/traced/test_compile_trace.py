@@ -1941,3 +1941,59 @@ def test_compiled_autocast_sandwich_layers(model: str, checkpoint: str, forward:
     assert (traced_forward, traced_backward) == (forward, backward)
     assert model_forward == forward - (5_056 if checkpoint == "full" else 0)
     assert model_backward == backward
+
+
+@pytest.mark.parametrize("checkpoint,forward,backward", [("none", 6_443_008, 7_016_448),
+                                                         ("full", 2_823_104, 7_480_256)])
+def test_compiled_autocast_parallel_layer(checkpoint: str, forward: int,
+                                          backward: int) -> None:
+    """transformers' Command R7B layer (Cohere2: a parallel block, Cohere's LayerNorm, RoPE
+    in the input's dtype; h 256, 8 heads of 32, 2 KV heads, ffn 896) under autocast (fp32
+    weights, bf16 compute), compiled, 2 x 256 tokens: layer 0, a sliding-window layer with
+    RoPE (its window longer than the sequence). The catalog model stays refused under
+    autocast for its layers without RoPE (every fourth), not traced
+    (``parallel._compile_autocast_refusal``, tests/unit/test_compiled.py); this two-layer toy
+    has none. Without recompute, after the down and output
+    projections' matmuls (both read one bf16 cast of the incoming gradient: ``layer.
+    _first_output_grad``, no second cast), Inductor runs SDPA's backward before the MLP's
+    kernel (``compiled_order.with_parallel_attention_first``). By hand at that kernel, S = T
+    h 2 = 262,144, F = T f 2 = 917,504, W = h f 2 = 458,752: the held output 2 S, the norm's
+    output S and its mean and rsqrt 2 x T x 4, q's, k's and v's weight casts 131,072 + 2 x
+    32,768, gate's and up's outputs and weight casts 2 F + 2 W, the product's gradient and
+    the kernel's new gradient 2 F, down's weight gradient in fp32 (h f 4 = 917,504), the
+    output projection's bf16 weight gradient 131,072, dq, dk and dv S + 2 x 65,536:
+    7,016,448 B (memplan 7.7% over before: the attention's saved set at the kernel and a
+    second cast). memplan's backward peak is now its moment at the down projection's
+    grad-input matmul, 81,920 B over the trace's peak (+1.2%): it counts down's weight
+    gradient in fp32 where the trace holds it in bf16 until the cast after (h f x 2 =
+    458,752 B over there, ``compiled.swiglu_moments``). Full recompute: 5,056 B under the
+    trace in both phases (the CPU generator's state; +3.4% over before, the second cast)."""
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
+
+    s, f, w, t = 262_144, 917_504, 458_752, 512
+    if checkpoint == "none":
+        assert backward == (2 * s + s + 2 * t * 4 + 131_072 + 2 * 32_768 + 2 * f + 2 * w
+                            + 2 * f + 256 * 896 * 4 + 131_072 + s + 2 * 65_536)
+    config = hf("c4ai-command-r7b-12-2024", **AMP_TOY, num_key_value_heads=2)
+    spec = spec_from_hf_dict(config, "toy", "toy")
+    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
+    wl = Workload(micro_batch_size=2, seq_len=256, precision="amp-bf16", compile=True,
+                  recompute=recompute)
+    validate(spec, ParallelConfig(), wl)  # two layers, both with RoPE: not refused
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, recompute)
+    stream = dm.rows * spec.hidden_size * 4
+    _, traced_forward, traced_backward = compiled_layer_step(
+        config, "float32", 2, 256, autocast="bfloat16", checkpoint=checkpoint,
+        gpu_realize=True)
+    generator = 5_056 if checkpoint == "full" else 0
+    assert (traced_forward, traced_backward) == (forward, backward)
+    assert kind.forward_peak_bytes - stream == forward - generator
+    modelled = _model_backward(kind, grad_group_params(spec, 1, 1, False), 4, stream)
+    assert modelled - backward == (81_920 if checkpoint == "none" else -generator)
+    if checkpoint == "none":  # the kernel's moment itself, exact
+        at_kernel = next(m for m in kind.moments if m.name == "mlp_act")
+        assert (at_kernel.alive_bytes + at_kernel.transient_bytes - stream
+                + 4 * 256 * 896) == backward
