@@ -715,8 +715,8 @@ def _compile_autocast_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     Mistral's (a sliding window longer than the sequence: no mask), Phi-3's (fused qkv
     and fused gate/up, real RoPE: ``compiled.autocast_checkpointed_forward_bytes``, the
     rebuilt SwiGLU kernels of ``compiled.swiglu_backward``) and Phi-4-mini's (the same, RoPE
-    on 3/4 of each head), recompute none or full, Phi-3's also at 2 x 1,024, and Granite's (scaled residual branches: ``compiled.
-    scaled_residual_grad``). Command R's RoPE layer (parallel block, Cohere's LayerNorm,
+    on 3/4 of each head), recompute none or full, Phi-3's also at 2 x 1,024, and Granite's
+    (scaled residual branches: ``compiled.scaled_residual_grad``). Command R's RoPE layer (parallel block, Cohere's LayerNorm,
     RoPE in the input's dtype: ``compiled_order.with_parallel_attention_first``, ``layer.
     _first_output_grad``) traced exact without recompute and 5,056 B under with full (the CPU
     generator's state), but its layers without RoPE are not traced: refused."""
