@@ -716,10 +716,11 @@ def _compile_autocast_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     and fused gate/up, real RoPE: ``compiled.autocast_checkpointed_forward_bytes``, the
     rebuilt SwiGLU kernels of ``compiled.swiglu_backward``) and Phi-4-mini's (the same, RoPE
     on 3/4 of each head), recompute none or full, Phi-3's also at 2 x 1,024, and Granite's
-    (scaled residual branches: ``compiled.scaled_residual_grad``). Command R's RoPE layer (parallel block, Cohere's LayerNorm,
-    RoPE in the input's dtype: ``compiled_order.with_parallel_attention_first``, ``layer.
-    _first_output_grad``) traced exact without recompute and 5,056 B under with full (the CPU
-    generator's state), but its layers without RoPE are not traced: refused."""
+    (scaled residual branches: ``compiled.scaled_residual_grad``). Command R's RoPE layer
+    (parallel block, Cohere's LayerNorm, RoPE in the input's dtype: ``compiled_order.
+    with_parallel_attention_first``, ``layer._first_output_grad``) traced: its peak 1.2% over
+    without recompute, 5,056 B under with full (the CPU generator's state); its layers
+    without RoPE are not traced: refused."""
     odd = [(spec.norm.value != "rmsnorm" and not spec.norm_centres_twice,
             "a LayerNorm other than Cohere's"),
            (spec.nope_layer_interval > 0, "layers without RoPE (NoPE)"),
