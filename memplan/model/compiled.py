@@ -264,7 +264,8 @@ def checkpointed_mlp_working_bytes(spec: ModelSpec, dm: Dims,
     (traced: Phi-3's layer, bf16, 2 x 256 tokens: the o_proj output, the fused output and the
     product, 3,019,712 B with the CPU generator's state, memplan 5,056 B under as for the
     separate projections). None elsewhere: under autocast (that function), an activation
-    formula of several ops (gelu_new, xIELU), or adapters (untraced). With torchao's ``Float8Linear``s (``float8_gate_held``) the kernel writes
+    formula of several ops (gelu_new, xIELU), or adapters (untraced). With torchao's
+    ``Float8Linear``s (``float8_gate_held``) the kernel writes
     the product's float8 cast for the down projection (``hp_tensor_to_float8_dynamic`` fused
     in: T x f / t float8 and its scales) and no bf16 product, beside gate and up (traced:
     benchmarks/compiled_backward.py, torchtitan's block, torchao 0.18.0, full recompute at
@@ -1196,8 +1197,8 @@ def float8_lpmf_grad_in_first(spec: ModelSpec, wl: Workload, dm: Dims,
     attn = (linear.Linear("q", "attn", h, q), linear.Linear("k", "attn", h, kv),
             linear.Linear("v", "attn", h, kv), linear.Linear("o", "attn_out", q, h))
     if not (dm.float8 is Float8Recipe.TENSORWISE and not (wl.fused_qkv or spec.fused_qkv)
-            and wl.recompute is not Recompute.FULL and wl.rope_cache is RopeCache.LAYER and spec.position is PositionKind.ROPE
-            and dm.tp == 1 and dm.rows == dm.tokens
+            and wl.recompute is not Recompute.FULL and wl.rope_cache is RopeCache.LAYER
+            and spec.position is PositionKind.ROPE and dm.tp == 1 and dm.rows == dm.tokens
             and all(linear.float8_converts(lin, dm) for lin in (*attn, *linears))):
         return None
     elements = dm.tokens * spec.ffn_hidden_size
