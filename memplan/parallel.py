@@ -725,7 +725,6 @@ def _compile_autocast_refusal(spec: ModelSpec, wl: Workload) -> str | None:
             "a LayerNorm other than Cohere's"),
            (spec.nope_layer_interval > 0, "layers without RoPE (NoPE)"),
            (spec.position.value != "rope" or spec.rope_complex
-            or spec.rope_keeps_dtype and not spec.parallel_block
             or spec.rope_interleaved or spec.rope_half_tables,
             "a position encoding other than transformers' full fp32 RoPE"),
            (spec.attn_out_bias or spec.mlp_bias or spec.norm_bias,
@@ -911,8 +910,7 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     pre-norm layer (dense, or MoE with transformers' grouped experts in bf16:
     ``_compile_moe_refusal``) with SDPA attention in one compute dtype, OLMo 2's post-norm
     layer or Gemma 2's and Gemma 3's sandwich-norm layers (``_compile_post_norm_refusal``),
-    or under autocast a
-    Llama-like dense layer (``_compile_autocast_refusal``), no recompute or a fully
+    or under autocast the dense layers ``_compile_autocast_refusal`` lists, no recompute or a fully
     checkpointed layer, or torchtitan's per-op SAC. The rest is not modelled yet: a
     refusal, not an eager estimate."""
     why = None

@@ -234,13 +234,12 @@ def autocast_checkpointed_forward_bytes(spec: ModelSpec, dm: Dims) -> int | None
     if not (dm.compiled and dm.autocast):
         return None
     inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    out = dm.rows * spec.hidden_size * dm.e  # the output projection's, the MLP norm's cast
+    cast = spec.hidden_size * spec.ffn_hidden_size // dm.tp * dm.e  # one h x f weight's
     stats = dm.rows * FP32_BYTES if spec.norm_placement is NormPlacement.SANDWICH else 0
     if _fused_gate_up_kernel(spec, dm):
-        out = dm.rows * spec.hidden_size * dm.e
-        return stats + max(2 * out + 2 * inner + 2 * spec.hidden_size * spec.ffn_hidden_size
-                           // dm.tp * dm.e, out + 3 * inner)
-    return (2 * dm.rows * spec.hidden_size * dm.e + 2 * inner + stats
-            + spec.hidden_size * spec.ffn_hidden_size // dm.tp * dm.e)
+        return stats + max(2 * out + 2 * inner + 2 * cast, out + 3 * inner)
+    return 2 * out + 2 * inner + cast + stats
 
 
 def checkpointed_mlp_working_bytes(spec: ModelSpec, dm: Dims,

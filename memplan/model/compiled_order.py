@@ -316,8 +316,8 @@ def with_parallel_attention_first(moments: Sequence[LayerMoment], spec: ModelSpe
             and recompute is Recompute.NONE):
         return list(moments)
     _, q, kv, _, _ = compiled.attention_sizes(spec, dm)
-    o_cast = spec.hidden_size * spec.num_attention_heads * spec.head_dim * dm.e
-    lse = dm.tokens * spec.num_attention_heads * FP32_BYTES
+    o_cast = spec.hidden_size * spec.q_size * dm.e  # as its weight gradient, before the cast
+    lse = dm.b * spec.num_attention_heads * dm.s * FP32_BYTES  # SDPA's (``attn.lse``)
     freed = 2 * q + 2 * kv + lse + o_cast
     made = q + 2 * kv + o_cast
     return [m._replace(alive_bytes=m.alive_bytes - freed, transient_bytes=m.transient_bytes + made)
