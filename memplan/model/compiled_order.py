@@ -322,3 +322,53 @@ def with_parallel_attention_first(moments: Sequence[LayerMoment], spec: ModelSpe
     made = q + 2 * kv + o_cast
     return [m._replace(alive_bytes=m.alive_bytes - freed, transient_bytes=m.transient_bytes + made)
             if m.name == "mlp_act" else m for m in moments]
+
+
+def with_norm_reductions_last(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
+                              dm: Dims, recompute: Recompute) -> list[LayerMoment]:
+    """A compiled dense layer's backward without recompute, its norms' weight gradients as
+    Inductor schedules them: the scheduler fuses every norm's weight-gradient reduction but
+    the attention's pre-norm's with that one (each a reduction over the rows into h), so all
+    run in one kernel after the attention's input-gradient matmuls, before the attention
+    norm's input-gradient kernel. Until then each deferred norm holds what its reduction
+    reads: its saved input and statistics, and its incoming gradient where that is not the
+    residual gradient memplan's moments already hold: the MLP's grad-input matmuls' outputs
+    into the norm before it (Inductor inlines their sum into its readers), one per input
+    projection. With sandwich norms the residual gradient is realized in fp32 by the MLP
+    norms' fused backward kernel (read again by the attention norm's), beside the incoming
+    gradient the MLP post norm's reduction reads, and the output projection's output
+    gradient is a buffer of its own, held for the attention norm's kernel to reuse, as is
+    the post-attention norm's row dot product (fp32, a row each). Traced (Inductor's GPU
+    realization rules, benchmarks/compiled_backward.py, bf16, held out): Llama's layer, 6
+    heads of 64 all KV, ffn 512, 3 x 160 tokens, ``cpp_fused__to_copy__unsafe_view_add_mul_
+    sum_view_4`` after the q projection's grad-input matmul reads ``buf4``, ``buf7``,
+    ``mm_3`` and ``rsqrt_1``; Gemma 2's, 6 heads of 64, 3 KV, ffn 1,152, 3 x 160 tokens:
+    ``..._6`` reads ``tangents_1``, ``mm_6``, ``rsqrt_3``, ``buf8``, ``buf11``, ``mm_3``,
+    ``rsqrt_1``, ``rsqrt_2`` and the fp32 ``buf15``, the peak at SDPA's backward. Below the
+    MLP's weight-gradient threshold (``lpmf_defers_mlp_grads``) Inductor takes lpmf's or
+    dfs's order, which defers the MLP's weight gradients past the attention's backward (the
+    baseline's moments, kept there, are over: 2 x 64 tokens, +1.7% to +3.2%; with these
+    holds +4.6% to +16%), so nothing is added there."""
+    if (not dm.compiled or recompute is not Recompute.NONE or dm.autocast
+            or spec.parallel_block or not spec.norm_placement.pre_norm
+            or lpmf_defers_mlp_grads(spec, dm)):
+        return list(moments)
+    from memplan.model.norm import norm_terms, saved_at_backward
+
+    deferred = ["mlp_norm"] + (["mlp_post_norm", "attn_post_norm"]
+                               if spec.norm_placement.post_norm else [])
+    th = dm.rows * spec.hidden_size * dm.e
+    inputs = 2 if spec.mlp.gated and not spec.fused_gate_up else 1
+    held = inputs * th + sum(saved_at_backward(norm_terms(n, spec, wl, dm)) for n in deferred)
+    if spec.norm_placement.post_norm:
+        held += dm.rows * spec.hidden_size * FP32_BYTES + th + dm.rows * FP32_BYTES
+    out, after = [], False
+    for m in moments:
+        if m.name == "attn_norm":
+            after = False
+        if after:
+            m = m._replace(alive_bytes=m.alive_bytes + held,
+                           grads_before=tuple(g for g in m.grads_before if g not in deferred))
+        out.append(m)
+        after = after or m.name == "mlp_norm"
+    return out

@@ -633,7 +633,15 @@ def test_compiled_sandwich_layer_terms_and_moments() -> None:
     input freed there, a schedule of the CPU's realization thresholds): at the MLP's kernel
     the saved set less the product (the post norm's input S and statistic r still alive),
     beside the incoming gradient and 2 F: alive 135,168 - 22,528 = 112,640, transient
-    8,192 + 45,056 = 53,248, and the MLP post norm's weight gradient not made yet."""
+    8,192 + 45,056 = 53,248, and the MLP post norm's weight gradient not made yet.
+
+    The attention's moments (``compiled_order.with_norm_reductions_last``) hold what the
+    fused reduction of the three deferred norms reads: gate's and up's grad-input outputs
+    2 S, the MLP post norm's input S and r, the pre-feedforward norm's r, the post-attention
+    norm's input S and r, the fp32 residual gradient 2 S, the output projection's output
+    gradient S and the post-attention norm's row dot product r: 7 S + 4 r = 58,368 over the
+    eager order's 16,640 at the q/k/v grad-input matmuls, none of the three gradients made
+    (nothing held by the attention norm's own kernel, after the reduction)."""
     wl = Workload.model_validate({**WL.model_dump()})
     validate(SANDWICH, ParallelConfig(), wl)
     dm = Dims.of(SANDWICH, ParallelConfig(), wl)
@@ -646,7 +654,11 @@ def test_compiled_sandwich_layer_terms_and_moments() -> None:
     act = moments["mlp_act"]
     assert (act.alive_bytes, act.transient_bytes) == (112_640, 53_248)
     assert "mlp_post_norm" not in act.grads_before
-    assert "mlp_post_norm" in moments["attn_in"].grads_before
+    assert moments["attn_in"].alive_bytes == 16_640 + 58_368
+    assert not {"mlp_post_norm", "mlp_norm", "attn_post_norm"} & set(
+        moments["attn_in"].grads_before)
+    assert moments["attn_norm"].alive_bytes == 8_448
+    assert "mlp_post_norm" in moments["attn_norm"].grads_before
 
 
 def test_compiled_sandwich_layer_rebuilt_inside_the_graph() -> None:
