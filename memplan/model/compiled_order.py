@@ -344,24 +344,33 @@ def with_norm_reductions_last(moments: Sequence[LayerMoment], spec: ModelSpec, w
     sum_view_4`` after the q projection's grad-input matmul reads ``buf4``, ``buf7``,
     ``mm_3`` and ``rsqrt_1``; Gemma 2's, 6 heads of 64, 3 KV, ffn 1,152, 3 x 160 tokens:
     ``..._6`` reads ``tangents_1``, ``mm_6``, ``rsqrt_3``, ``buf8``, ``buf11``, ``mm_3``,
-    ``rsqrt_1``, ``rsqrt_2`` and the fp32 ``buf15``, the peak at SDPA's backward. Below the
+    ``rsqrt_1``, ``rsqrt_2`` and the fp32 ``buf15``, the peak at SDPA's backward. Under
+    autocast the same kernel, less the MLP post norm's reduction (its backward's first
+    kernel, ``with_post_norm_schedule``), the residual gradient the fp32 incoming one
+    (Gemma 2's layer, 3 x 160: ``..._8`` reads ``buf8``, ``buf12``, ``mm_3``, ``rsqrt_1``,
+    ``rsqrt_2`` and ``buf16``; Llama's, all KV heads, ffn 512: ``..._7``, after the MLP's
+    deferred weight gradients, ``buf6``, ``buf10``, ``mm_3``, ``rsqrt_1``). Below the
     MLP's weight-gradient threshold (``lpmf_defers_mlp_grads``) Inductor takes lpmf's or
     dfs's order, which defers the MLP's weight gradients past the attention's backward (the
     baseline's moments, kept there, are over: 2 x 64 tokens, +1.7% to +3.2%; with these
     holds +4.6% to +16%), so nothing is added there."""
-    if (not dm.compiled or recompute is not Recompute.NONE or dm.autocast
+    if (not dm.compiled or recompute is not Recompute.NONE
             or spec.parallel_block or not spec.norm_placement.pre_norm
             or lpmf_defers_mlp_grads(spec, dm)):
         return list(moments)
     from memplan.model.norm import norm_terms, saved_at_backward
 
-    deferred = ["mlp_norm"] + (["mlp_post_norm", "attn_post_norm"]
-                               if spec.norm_placement.post_norm else [])
+    sandwich = spec.norm_placement.post_norm
+    deferred = ["mlp_norm"] + (["attn_post_norm"] if sandwich else [])
+    if sandwich and not dm.autocast:
+        deferred.append("mlp_post_norm")
     th = dm.rows * spec.hidden_size * dm.e
     inputs = 2 if spec.mlp.gated and not spec.fused_gate_up else 1
     held = inputs * th + sum(saved_at_backward(norm_terms(n, spec, wl, dm)) for n in deferred)
-    if spec.norm_placement.post_norm:
-        held += dm.rows * spec.hidden_size * FP32_BYTES + th + dm.rows * FP32_BYTES
+    if sandwich:
+        held += th + dm.rows * FP32_BYTES
+        if not dm.autocast:
+            held += dm.rows * spec.hidden_size * FP32_BYTES
     out, after = [], False
     for m in moments:
         if m.name == "attn_norm":
@@ -372,3 +381,4 @@ def with_norm_reductions_last(moments: Sequence[LayerMoment], spec: ModelSpec, w
         out.append(m)
         after = after or m.name == "mlp_norm"
     return out
+
