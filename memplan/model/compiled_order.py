@@ -326,7 +326,8 @@ def with_parallel_attention_first(moments: Sequence[LayerMoment], spec: ModelSpe
 
 def with_norm_reductions_last(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
                               dm: Dims, recompute: Recompute) -> list[LayerMoment]:
-    """A compiled dense layer's backward without recompute, its norms' weight gradients as
+    """A compiled dense layer's backward without recompute or rebuilt inside the graph (full
+    recompute, the checkpoint inside the compiled graph), its norms' weight gradients as
     Inductor schedules them: the scheduler fuses every norm's weight-gradient reduction but
     the attention's pre-norm's with that one (each a reduction over the rows into h), so all
     run in one kernel after the attention's input-gradient matmuls, before the attention
@@ -349,14 +350,17 @@ def with_norm_reductions_last(moments: Sequence[LayerMoment], spec: ModelSpec, w
     kernel, ``with_post_norm_schedule``), the residual gradient the fp32 incoming one
     (Gemma 2's layer, 3 x 160: ``..._8`` reads ``buf8``, ``buf12``, ``mm_3``, ``rsqrt_1``,
     ``rsqrt_2`` and ``buf16``; Llama's, all KV heads, ffn 512: ``..._7``, after the MLP's
-    deferred weight gradients, ``buf6``, ``buf10``, ``mm_3``, ``rsqrt_1``). Below the
+    deferred weight gradients, ``buf6``, ``buf10``, ``mm_3``, ``rsqrt_1``). Rebuilt, the
+    same (Llama's layer, all KV heads, bf16, 3 x 160: ``..._11`` after the q projection's
+    grad-input matmul reads the rebuilt ``buf17`` and ``buf18`` beside ``buf27`` and
+    ``buf30``; the trace's peak, 368,640 B over memplan's, is at SDPA's backward). Below the
     MLP's weight-gradient threshold (``lpmf_defers_mlp_grads``) Inductor takes lpmf's or
     dfs's order, which defers the MLP's weight gradients past the attention's backward (the
     baseline's moments, kept there, are over: 2 x 64 tokens, +1.7% to +3.2%; with these
-    holds +4.6% to +16%), so nothing is added there."""
-    if (not dm.compiled or recompute is not Recompute.NONE
-            or spec.parallel_block or not spec.norm_placement.pre_norm
-            or lpmf_defers_mlp_grads(spec, dm)):
+    holds +4.6% to +16%): nothing added."""
+    rebuilt = recompute is Recompute.FULL and not compiled.in_checkpoint(wl)
+    if (not dm.compiled or not (recompute is Recompute.NONE or rebuilt) or spec.parallel_block
+            or not spec.norm_placement.pre_norm or lpmf_defers_mlp_grads(spec, dm)):
         return list(moments)
     from memplan.model.norm import norm_terms, saved_at_backward
 
@@ -367,10 +371,8 @@ def with_norm_reductions_last(moments: Sequence[LayerMoment], spec: ModelSpec, w
     th = dm.rows * spec.hidden_size * dm.e
     inputs = 2 if spec.mlp.gated and not spec.fused_gate_up else 1
     held = inputs * th + sum(saved_at_backward(norm_terms(n, spec, wl, dm)) for n in deferred)
-    if sandwich:
-        held += th + dm.rows * FP32_BYTES
-        if not dm.autocast:
-            held += dm.rows * spec.hidden_size * FP32_BYTES
+    if sandwich:  # (under autocast the fp32 residual gradient is the incoming one)
+        held += th + dm.rows * FP32_BYTES * (1 if dm.autocast else 1 + spec.hidden_size)
     out, after = [], False
     for m in moments:
         if m.name == "attn_norm":

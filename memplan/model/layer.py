@@ -479,7 +479,8 @@ def _compiled_schedule(out: list[LayerMoment], spec: ModelSpec, wl: Workload, dm
     out = compiled.with_post_norm_schedule(out, spec, wl, dm, recompute)
     # compiled under autocast, a parallel layer's attention backward before the MLP's kernel
     out = compiled_order.with_parallel_attention_first(out, spec, dm, recompute)
-    # compiled without recompute, the norms' weight gradients after the attention's backward
+    # compiled, not checkpointed around the graph: the norms' weight gradients after the
+    # attention's backward
     out = compiled_order.with_norm_reductions_last(out, spec, wl, dm, recompute)
     if (end := compiled.autocast_end_bytes(spec, dm)) is not None:
         # the compiled backward's end: every weight gradient made (``compiled.
