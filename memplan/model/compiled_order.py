@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from memplan.model import compiled, linear
 from memplan.model.dims import FP32_BYTES, Dims, Term
 from memplan.spec import ModelSpec
-from memplan.workload import Recompute, Workload
+from memplan.workload import Float8Recipe, Recompute, Workload
 
 if TYPE_CHECKING:
     from memplan.model.layer import LayerMoment
@@ -326,41 +326,33 @@ def with_parallel_attention_first(moments: Sequence[LayerMoment], spec: ModelSpe
 
 def with_norm_reductions_last(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
                               dm: Dims, recompute: Recompute) -> list[LayerMoment]:
-    """A compiled dense layer's backward without recompute or rebuilt inside the graph (full
-    recompute, the checkpoint inside the compiled graph), its norms' weight gradients as
-    Inductor schedules them: the scheduler fuses every norm's weight-gradient reduction but
-    the attention's pre-norm's with that one (each a reduction over the rows into h), so all
-    run in one kernel after the attention's input-gradient matmuls, before the attention
-    norm's input-gradient kernel. Until then each deferred norm holds what its reduction
-    reads: its saved input and statistics, and its incoming gradient where that is not the
-    residual gradient memplan's moments already hold: the MLP's grad-input matmuls' outputs
-    into the norm before it (Inductor inlines their sum into its readers), one per input
-    projection. With sandwich norms the residual gradient is realized in fp32 by the MLP
-    norms' fused backward kernel (read again by the attention norm's), beside the incoming
-    gradient the MLP post norm's reduction reads, and the output projection's output
-    gradient is a buffer of its own, held for the attention norm's kernel to reuse, as is
-    the post-attention norm's row dot product (fp32, a row each). Traced (Inductor's GPU
-    realization rules, benchmarks/compiled_backward.py, bf16, held out): Llama's layer, 6
-    heads of 64 all KV, ffn 512, 3 x 160 tokens, ``cpp_fused__to_copy__unsafe_view_add_mul_
-    sum_view_4`` after the q projection's grad-input matmul reads ``buf4``, ``buf7``,
-    ``mm_3`` and ``rsqrt_1``; Gemma 2's, 6 heads of 64, 3 KV, ffn 1,152, 3 x 160 tokens:
-    ``..._6`` reads ``tangents_1``, ``mm_6``, ``rsqrt_3``, ``buf8``, ``buf11``, ``mm_3``,
-    ``rsqrt_1``, ``rsqrt_2`` and the fp32 ``buf15``, the peak at SDPA's backward. Under
-    autocast the same kernel, less the MLP post norm's reduction (its backward's first
-    kernel, ``with_post_norm_schedule``), the residual gradient the fp32 incoming one
-    (Gemma 2's layer, 3 x 160: ``..._8`` reads ``buf8``, ``buf12``, ``mm_3``, ``rsqrt_1``,
-    ``rsqrt_2`` and ``buf16``; Llama's, all KV heads, ffn 512: ``..._7``, after the MLP's
-    deferred weight gradients, ``buf6``, ``buf10``, ``mm_3``, ``rsqrt_1``). Rebuilt, the
-    same (Llama's layer, all KV heads, bf16, 3 x 160: ``..._11`` after the q projection's
-    grad-input matmul reads the rebuilt ``buf17`` and ``buf18`` beside ``buf27`` and
-    ``buf30``; the trace's peak, 368,640 B over memplan's, is at SDPA's backward). Below the
-    MLP's weight-gradient threshold (``lpmf_defers_mlp_grads``) Inductor takes lpmf's or
-    dfs's order, which defers the MLP's weight gradients past the attention's backward (the
-    baseline's moments, kept there, are over: 2 x 64 tokens, +1.7% to +3.2%; with these
-    holds +4.6% to +16%): nothing added."""
-    rebuilt = recompute is Recompute.FULL and not compiled.in_checkpoint(wl)
+    """A compiled dense layer's backward, not recompute or rebuilt inside the graph (full
+    recompute, the checkpoint inside it), its norms' weight gradients as Inductor schedules
+    them: every norm's weight-gradient reduction but the attention pre-norm's is fused with
+    that one, in one kernel after the attention's input-gradient matmuls, and until then
+    each deferred norm holds what it reads: its saved input and statistics, and the MLP's
+    grad-input outputs into the norm before it (their sum inlined), one per input
+    projection. The residual gradient is a buffer of its own beside the incoming gradient,
+    which the compiled function's caller holds to its return whatever the graph frees; with
+    sandwich norms it is fp32, and the output projection's output gradient and the
+    post-attention norm's row sums (fp32) are buffers of their own, held for reuse. Under
+    autocast the MLP post norm's reduction runs first (``with_post_norm_schedule``).
+    Traced (GPU realization rules, benchmarks/compiled_backward.py, h 384, 3 x 160 tokens,
+    held out), the reduction's kernel reading: Gemma 2's layer, bf16, ``tangents_1``,
+    ``mm_6``, ``rsqrt_3``, ``buf8``, ``buf11``, ``mm_3``, ``rsqrt_1``, ``rsqrt_2``, the fp32
+    ``buf15``, the peak at SDPA's backward; amp-bf16, ``buf8``, ``buf12``, ``mm_3``,
+    ``rsqrt_1``, ``rsqrt_2``, ``buf16``; Llama's (all KV heads, ffn 512), ``buf4``, ``buf7``,
+    ``mm_3``, ``rsqrt_1`` (``tangents_1`` deleted before, still alive), rebuilt ``buf27``,
+    ``buf30``, ``buf17``, ``buf18``. At or below the MLP's weight-gradient threshold
+    (``lpmf_defers_mlp_grads``; at it torchtitan's block, 2 x 96 tokens: dfs 2,354,688 B
+    against the baseline's 2,416,128) Inductor takes lpmf's or dfs's order, deferring the
+    MLP's weight gradients, and the baseline's moments there are over: nothing added."""
+    f, h = spec.ffn_hidden_size, spec.hidden_size
+    rebuilt = (recompute is Recompute.FULL and not compiled.in_checkpoint(wl)
+               and not dm.autocast)  # (rebuilt under autocast: not traced to the kernel)
     if (not dm.compiled or not (recompute is Recompute.NONE or rebuilt) or spec.parallel_block
-            or not spec.norm_placement.pre_norm or lpmf_defers_mlp_grads(spec, dm)):
+            or not spec.norm_placement.pre_norm or dm.tokens * (f + h) <= f * h
+            or dm.tp > 1 or dm.float8 is not Float8Recipe.NONE):  # (traced on one rank, bf16)
         return list(moments)
     from memplan.model.norm import norm_terms, saved_at_backward
 
@@ -368,11 +360,12 @@ def with_norm_reductions_last(moments: Sequence[LayerMoment], spec: ModelSpec, w
     deferred = ["mlp_norm"] + (["attn_post_norm"] if sandwich else [])
     if sandwich and not dm.autocast:
         deferred.append("mlp_post_norm")
-    th = dm.rows * spec.hidden_size * dm.e
+    th = dm.rows * h * dm.e
     inputs = 2 if spec.mlp.gated and not spec.fused_gate_up else 1
     held = inputs * th + sum(saved_at_backward(norm_terms(n, spec, wl, dm)) for n in deferred)
-    if sandwich:  # (under autocast the fp32 residual gradient is the incoming one)
-        held += th + dm.rows * FP32_BYTES * (1 if dm.autocast else 1 + spec.hidden_size)
+    held += dm.rows * h * (FP32_BYTES if sandwich or dm.autocast else dm.e)
+    if sandwich:
+        held += th + dm.rows * FP32_BYTES
     out, after = [], False
     for m in moments:
         if m.name == "attn_norm":

@@ -2018,11 +2018,11 @@ def test_compiled_norm_reductions_after_attention(model: str, kv: int, ffn: int)
     512) -15.5%.
 
     Gemma 2 and 3 (sandwich norms, the fp32 residual gradient, the output projection's own
-    output gradient) are exact. Llama's layer is 73,728 B under: Inductor keeps its baseline
-    order there (its log: baseline 5,987,328 B, bfs the same, lpmf and dfs above), which
-    runs the output projection's weight gradient after SDPA's backward (294,912 B not yet
-    made, which memplan counts), and one more rows x h buffer (368,640 B) is alive at SDPA's
-    backward than memplan's moment holds."""
+    output gradient) are exact. Llama's layer holds its residual gradient (``buf10``) beside
+    the incoming gradient, which the graph deletes after the MLP norm's kernel but its
+    caller holds; it is 294,912 B over: Inductor keeps its baseline order there (its log:
+    baseline 5,987,328 B, bfs the same, lpmf and dfs above), which runs the output
+    projection's weight gradient (h x h x 2 B, counted) after SDPA's backward."""
     from memplan.model.layer import grad_group_params
     from memplan.parallel import validate
     from recorded import compiled_layer_step  # tests/traced/recorded.py
@@ -2044,6 +2044,29 @@ def test_compiled_norm_reductions_after_attention(model: str, kv: int, ffn: int)
                                         for g in m.grads_before))
     assert attention.name == "attention.0"
     if model == "Meta-Llama-3-8B":
-        assert traced - backward == 368_640 - 294_912
+        assert backward - traced == 384 * 384 * 2
     else:
         assert backward == traced
+
+
+def test_compiled_norm_reductions_rebuilt() -> None:
+    """The same Llama layer (all KV heads, ffn 512) rebuilt inside the compiled graph (full
+    recompute, the checkpoint inside it), 3 x 160 tokens: Inductor takes lpmf's order (its
+    log: 6,282,240 B against the baseline's 6,355,968), which runs the output projection's
+    weight gradient before SDPA's backward, and the backward peaks there beside the MLP
+    norm's deferred reduction's inputs and the residual gradient: exact (5.5% under
+    before)."""
+    from memplan.model.layer import grad_group_params
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
+
+    config = hf("Meta-Llama-3-8B", **WIDE, intermediate_size=512, num_key_value_heads=6)
+    spec = spec_from_hf_dict(config, "toy", "toy")
+    wl = Workload(micro_batch_size=3, seq_len=160, compile=True, recompute=Recompute.FULL,
+                  precision="bf16-pure")
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, Recompute.FULL)
+    s = dm.rows * spec.hidden_size * dm.stream_e
+    backward = _model_backward(kind, grad_group_params(spec, 1, 1, False), dm.stream_e) - s
+    _, _, traced = compiled_layer_step(config, "bfloat16", 3, 160, checkpoint="full",
+                                       gpu_realize=True)
+    assert backward == traced == 6_650_880

@@ -818,3 +818,21 @@ def test_compile_under_autocast_accepts_the_traced_families(model: str, update: 
     compile rule, where the rest stays refused (``test_compile_refuses_what_is_not_modelled``)."""
     wl = Workload.model_validate({**WL.model_dump(), "precision": "amp-bf16", **update})
     validate(load_model(model), ParallelConfig(), wl)
+
+
+def test_compiled_norm_reductions_held_through_attention() -> None:
+    """The tiny Llama-like layer compiled without recompute (S = 64 tokens x 64 x 2 B =
+    8,192, r = 64 x 4 = 256): at the q/k/v grad-input matmuls (``attn_in``) the eager order
+    holds the layer's input S, the attention norm's output S (its weight gradients' operand)
+    and statistics r; Inductor's fused reduction of the MLP norm's weight gradient, after
+    the attention's backward (``compiled_order.with_norm_reductions_last``), adds gate's and
+    up's grad-input outputs 2 S, the MLP norm's saved input S and statistics r, and the
+    residual gradient S beside the incoming gradient the caller holds: 6 S + 2 r = 49,664,
+    the MLP norm's weight gradient not made. After that kernel (the attention norm's own)
+    nothing is held: the input S and statistics r."""
+    dm = Dims.of(TINY, ParallelConfig(), WL)
+    moments = {m.name: m for m in layer_kind(TINY, WL, dm, False, Recompute.NONE).moments}
+    assert moments["attn_in"].alive_bytes == 6 * 8_192 + 2 * 256
+    assert "mlp_norm" not in moments["attn_in"].grads_before
+    assert moments["attn_norm"].alive_bytes == 8_192 + 256
+    assert "mlp_norm" in moments["attn_norm"].grads_before
