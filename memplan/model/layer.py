@@ -234,9 +234,11 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     if recompute is Recompute.FULL and compiled.in_checkpoint(wl):
         return forward_moments(spec, wl, dm, moe_layer=moe_layer, recompute=Recompute.NONE,
                                variant=variant)
+    rope = None if moe_layer else compiled_order.rebuilt_rope_bytes(spec, wl, dm, recompute)
     if (recompute is Recompute.FULL and not moe_layer
             and (peak := compiled.autocast_checkpointed_forward_bytes(spec, dm)) is not None):
-        return [ForwardMoment("mlp", stream + peak, 0, "mlp")]
+        return [ForwardMoment("mlp", stream + peak, 0, "mlp"),
+                *([ForwardMoment("rope", stream + rope, 0, "attn")] if rope else [])]
     if recompute is Recompute.FULL:
         held = stream  # the checkpointed input
         for norm, mixer, *post in sublayers(blocks):
@@ -247,8 +249,8 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
             casts = cast_cache_bytes(spec, wl, dm, mixer, recompute)
             working = mixer.working_set(spec, wl, dm)
             mixer_in = _mixer_input_bytes(spec, dm, norm, stream)
-            out += [ForwardMoment(m.name, held + cast + mixer_in + m.transient_bytes, 0,
-                                  mixer.name)
+            out += [ForwardMoment(m.name, held + cast + (rope if m.name == "rope" and rope else
+                                  mixer_in + m.transient_bytes), 0, mixer.name)
                     for m, cast in zip(working, _casts_so_far(spec, wl, dm, mixer, casts),
                                        strict=True)]
             # what the layer keeps of the mixer's return beside its output: eager
@@ -265,12 +267,10 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     unsaved_input = unsaved_stream(spec, wl, dm)
     norm_out = _norm_output_beside(spec, dm)
     prior = 0
-    # past the first sub-layer's add the layer's input is still alive beside the residual
-    # sum the next add reads: its caller's loop variable holds it until the layer returns
-    # (transformers models/llama/modeling_llama.py LlamaModel.forward: hidden_states =
-    # decoder_layer(hidden_states, ...); torchtitan models/llama3/model.py
-    # TransformerBlock.forward keeps its argument x). Traced: tests/traced/
-    # test_hf_moe_families.py (Mixtral, Qwen2-MoE) and test_finetune.py (peft, FSDP2)
+    # past the first sub-layer's add the layer's input is alive beside the residual sum the
+    # next add reads, held by its caller's loop variable until the layer returns (LlamaModel.
+    # forward: hidden_states = decoder_layer(hidden_states, ...); torchtitan TransformerBlock.
+    # forward keeps x). Traced: test_hf_moe_families.py, test_finetune.py (tests/traced)
     later = {id(b) for part in sublayers(blocks)[1:] for b in part}
     for i, block in enumerate(blocks):
         prior += cast_cache_bytes(spec, wl, dm, block, recompute)

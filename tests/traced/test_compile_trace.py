@@ -2049,24 +2049,38 @@ def test_compiled_norm_reductions_after_attention(model: str, kv: int, ffn: int)
         assert backward == traced
 
 
-def test_compiled_norm_reductions_rebuilt() -> None:
+@pytest.mark.parametrize("amp", [False, True])
+def test_compiled_norm_reductions_rebuilt(amp: bool) -> None:
     """The same Llama layer (all KV heads, ffn 512) rebuilt inside the compiled graph (full
-    recompute, the checkpoint inside it), 3 x 160 tokens: Inductor takes lpmf's order (its
-    log: 6,282,240 B against the baseline's 6,355,968), which runs the output projection's
-    weight gradient before SDPA's backward, and the backward peaks there beside the MLP
-    norm's deferred reduction's inputs and the residual gradient: exact (5.5% under
-    before)."""
+    recompute, the checkpoint inside it), 3 x 160 tokens (S = 480 x 384 x 2 B = 368,640).
+
+    Forward, bf16 and under autocast alike: the peak at RoPE's kernel
+    (``compiled_order.rebuilt_rope_bytes``), q, k, v, each rotated half and both rotated
+    outputs, 7 S, the norm's output freed after the projections (+14.3% in bf16 and -18.1%
+    under autocast before), beside the input (not counted here).
+
+    Backward, bf16: Inductor takes lpmf's order (its log: 6,282,240 B against the baseline's
+    6,355,968), which runs the output projection's weight gradient before SDPA's backward,
+    and peaks there beside the MLP norm's deferred reduction's inputs and the residual
+    gradient: exact (-5.5% before). Under autocast not modelled to the kernel: -0.27%."""
     from memplan.model.layer import grad_group_params
     from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     config = hf("Meta-Llama-3-8B", **WIDE, intermediate_size=512, num_key_value_heads=6)
     spec = spec_from_hf_dict(config, "toy", "toy")
     wl = Workload(micro_batch_size=3, seq_len=160, compile=True, recompute=Recompute.FULL,
-                  precision="bf16-pure")
+                  precision="amp-bf16" if amp else "bf16-pure")
     dm = Dims.of(spec, ParallelConfig(), wl)
     kind = layer_kind(spec, wl, dm, False, Recompute.FULL)
     s = dm.rows * spec.hidden_size * dm.stream_e
-    backward = _model_backward(kind, grad_group_params(spec, 1, 1, False), dm.stream_e) - s
-    _, _, traced = compiled_layer_step(config, "bfloat16", 3, 160, checkpoint="full",
-                                       gpu_realize=True)
-    assert backward == traced == 6_650_880
+    groups = grad_group_params(spec, 1, 1, False)
+    cast = {"autocast": "bfloat16"} if amp else {}
+    _, forward, traced = compiled_layer_step(config, "float32" if amp else "bfloat16", 3, 160,
+                                             **cast, checkpoint="full", gpu_realize=True)
+    assert kind.forward_peak_bytes - s == forward == 7 * 368_640
+    if amp:
+        backward = _model_backward(kind, groups, dm.stream_e, s)
+        assert backward - traced == -24_576
+    else:
+        backward = _model_backward(kind, groups, dm.stream_e) - s
+        assert backward == traced == 6_650_880
