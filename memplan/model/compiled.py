@@ -394,7 +394,12 @@ def down_grad_deferred(dm: Dims, inner: int, cast: int, fresh: int) -> bool:
     gradient's cast (``cast``) are freed; deferred, the reverse. The estimates traced
     differ by exactly that (2 x 128: dfs 327,680 B lower; 2 x 192: 32,768 B lower; 2 x 256:
     262,144 B higher), so the lower of the two is Inductor's choice. Without autocast no
-    cast and no deferral traced (``swiglu_moments``' order)."""
+    cast and no deferral traced (``swiglu_moments``' order). With a norm after the MLP
+    (sandwich norms) dfs defers that norm's weight-gradient reduction too, holding its
+    saved input and statistics, its gradient not made (their net bytes are in ``cast``,
+    with the down projection's output gradient, a buffer of its own there): traced,
+    Gemma 2's layer, h 384, 3 x 160 tokens, dfs 74,112 B above the baseline, exactly
+    that difference, and the baseline kept (memplan -5.6% before, deferring)."""
     return (dm.autocast and not dm.rerun
             and fresh * dm.stream_e > inner + cast)
 
@@ -410,15 +415,19 @@ def with_deferred_mlp(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workl
     wrapper frees each at its last reader, the deferred matmul)."""
     e, inner = dm.e, dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
     fresh, cast = spec.hidden_size * spec.ffn_hidden_size // dm.tp, dm.rows * spec.hidden_size * e
+    # a norm after the MLP: its saved input and statistics held by its deferred reduction
+    kept = cast + dm.rows * FP32_BYTES if spec.norm_placement.post_norm else 0
     if not (swiglu_backward(spec, dm, Recompute.NONE) and not in_checkpoint(wl)
-            and down_grad_deferred(dm, inner, cast, fresh)):
+            and down_grad_deferred(dm, inner,
+                                   cast + (kept and kept - spec.hidden_size * dm.stream_e),
+                                   fresh)):
         return list(moments)
     out = []
     for m in moments:
         if m.name != "compiled_end" and ("mlp" in m.grads_before
                                          and not m.name.startswith("mlp_")
                                          or m.name == "mlp_norm"):
-            held = 3 * inner + cast + (cast if "mlp_norm" in m.grads_before else 0)
+            held = 3 * inner + cast + (cast if "mlp_norm" in m.grads_before else 0) + kept
             m = m._replace(alive_bytes=m.alive_bytes + held, grads_before=tuple(
                 g for g in m.grads_before if g not in ("mlp", "mlp_out")))
         out.append(m)
@@ -428,52 +437,52 @@ def with_deferred_mlp(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workl
 def swiglu_moments(wl: Workload, dm: Dims, saved: int, inner: int, grad_inputs: int,
                    fresh: int, out_cast: int = 0, whole: bool = False,
                    post_grad: int = 0, scaled_grad: int = 0) -> list[BackwardMoment]:
-    """A compiled SwiGLU MLP's backward as Inductor schedules it (one kernel per scheduler
-    node, as a GPU backend launches them; traced on CPU: benchmarks/compiled_backward.py,
-    torchtitan 0.3's block and transformers' layer at 2 x 1,024 tokens): the activation's and
-    the product's backward one fused kernel reading gate, up and the product's gradient.
+    """A compiled SwiGLU MLP's backward as Inductor schedules it (one kernel per scheduler node, as
+    a GPU backend launches them; traced on CPU: benchmarks/compiled_backward.py, torchtitan 0.3's
+    block and transformers' layer at 2 x 1,024 tokens): the activation's and the product's backward
+    one fused kernel reading gate, up and the product's gradient.
 
     - The product saved (the layer not recomputed, or checkpointed outside the compiled graph:
       ``in_checkpoint``): the down projection's weight gradient first, its input (the saved
-      product) freed after it, then the input gradient, then the kernel, which writes one
-      gradient into up's buffer (a saved input at its last reader: Inductor's in-place reuse,
-      ``decide_inplace_update``) and one new: ``saved`` less the product plus two ``inner``,
-      never above the down projection's moment (``mlp``).
-    - Fully recomputed inside the compiled graph (torchtitan's order, ``Dims.rerun``): the
-      rerun makes gate and up but not their product; the kernel writes the product (for the
-      down weight's gradient) and both gradients, three new ``inner`` tensors beside gate, up
-      and the input gradient, before any of the MLP's weight gradients: its peak at 2 x 1,024
-      tokens (torchtitan bf16 25,772,032 B traced, the eager order's moments 23,019,520 B).
-      Then the down weight's gradient (gate, up and the input gradient freed), then the input
-      projections' as eagerly (``mlp_in``).
-    ``saved``: the block's saved bytes (the product among them: the rerun holds it by the
-    time the kernel has run). Under autocast (``out_cast``: the down projection's saved
-    weight cast) what ``autocast_grads`` adds: the weight cast freed from the kernel on, the
-    incoming gradient's cast (``grad_inputs`` / 2 is rows x h in the compute dtype) alive
-    until the down weight's gradient; not rebuilt, the down projection's moment is its
-    grad-input matmul, the product freed by the weight gradient's matmul before it (the
-    order traced: ``mm(grad.T, product)``, ``del`` product, ``mm(grad, weight_cast)``; its
-    weight gradient counted in the parameters' dtype, where the trace holds the compute
-    dtype's until the cast after: h x f / t x (4 - 2) B over there, never the peak traced).
-    ``whole``: the rerun ran the whole MLP (``rerun_whole_mlp``), a layer not rebuilt's
-    order. ``post_grad``: with a norm after the MLP (``NormPlacement.POST``), that norm's
-    input gradient (the down projection's output gradient, rows x h, a tensor of its own
-    where a pre-norm layer's is the residual gradient itself), alive until the down
-    projection's grad-input matmul; the down projection's moment is that matmul's, the
-    product freed by the weight gradient's matmul before it and its gradient made (traced:
-    OLMo 2's layer, bf16, 2 x 1,024 tokens, without recompute and rebuilt: the product's
-    gradient in its buffer). ``scaled_grad``: ``scaled_residual_grad``."""
+      product) freed after it, then the input gradient, then the kernel, which writes one gradient
+      into up's buffer (a saved input at its last reader: Inductor's in-place reuse,
+      ``decide_inplace_update``) and one new: ``saved`` less the product plus two ``inner``, never
+      above the down projection's moment (``mlp``).
+    - Fully recomputed inside the compiled graph (torchtitan's order, ``Dims.rerun``): the rerun
+      makes gate and up but not their product; the kernel writes the product (for the down weight's
+      gradient) and both gradients, three new ``inner`` tensors beside gate, up and the input
+      gradient, before any of the MLP's weight gradients: its peak at 2 x 1,024 tokens (torchtitan
+      bf16 25,772,032 B traced, the eager order's moments 23,019,520 B). Then the down weight's
+      gradient (gate, up and the input gradient freed), then the input projections' as eagerly
+      (``mlp_in``).
+    ``saved``: the block's saved bytes (the product among them: the rerun holds it by the time the
+    kernel has run). Under autocast (``out_cast``: the down projection's saved weight cast) what
+    ``autocast_grads`` adds: the weight cast freed from the kernel on, the incoming gradient's cast
+    (``grad_inputs`` / 2 is rows x h in the compute dtype) alive until the down weight's gradient;
+    not rebuilt, the down projection's moment is its grad-input matmul, the product freed by the
+    weight gradient's matmul before it (the order traced: ``mm(grad.T, product)``, ``del`` product,
+    ``mm(grad, weight_cast)``; its weight gradient counted in the parameters' dtype, where the
+    trace holds the compute dtype's until the cast after: h x f / t x (4 - 2) B over there, never
+    the peak traced). ``whole``: the rerun ran the whole MLP (``rerun_whole_mlp``), a layer not
+    rebuilt's order. ``post_grad``: with a norm after the MLP (``NormPlacement.POST``), that norm's
+    input gradient (the down projection's output gradient, rows x h, a tensor of its own where a
+    pre-norm layer's is the residual gradient itself), alive until the down projection's grad-input
+    matmul; the down projection's moment is that matmul's, the product freed by the weight
+    gradient's matmul before it and its gradient made (traced: OLMo 2's layer, bf16, 2 x 1,024
+    tokens, without recompute and rebuilt: the product's gradient in its buffer); deferred, it and
+    the norm's input and statistics held (``kept``). ``scaled_grad``: ``scaled_residual_grad``."""
     freed, cast = autocast_grads(dm, 0 if post_grad else grad_inputs // 2, out_cast)
     rebuilt = dm.rerun and not in_checkpoint(wl) and not whole
+    kept = 2 * post_grad + dm.rows * FP32_BYTES if post_grad else 0  # ``down_grad_deferred``
+    held = kept and kept - post_grad // (dm.rows * dm.e) * dm.stream_e  # (its grad not made)
     # the scaled gradient: not rebuilt as ``post_grad``, rebuilt as the incoming gradient's cast
-    post_grad, cast = ((post_grad, cast + scaled_grad) if rebuilt
-                       else (post_grad + scaled_grad, cast))
+    post_grad, cast = post_grad + scaled_grad * (not rebuilt), cast + scaled_grad * rebuilt
     last = BackwardMoment("mlp_in", 0, grad_inputs + inner, ("mlp",), fresh)
-    if not rebuilt and down_grad_deferred(dm, inner, cast, fresh):
+    if not rebuilt and down_grad_deferred(dm, inner, cast + held, fresh):
         # gate freed by the kernel, its and up's gradients kept for the deferred ones
-        return [BackwardMoment("mlp", saved, inner + cast, ()),
-                BackwardMoment("mlp_act", saved - freed, 2 * inner + cast, ()),
-                BackwardMoment("mlp_in", saved - freed - inner, cast + inner + grad_inputs, ())]
+        return [BackwardMoment(n, saved + kept - f, t, ()) for n, f, t in (
+            ("mlp", 0, inner + cast), ("mlp_act", freed, 2 * inner + cast),
+            ("mlp_in", freed + inner, cast + inner + grad_inputs))]
     if not rebuilt:
         # at the down projection's grad-input matmul, the product freed before (see above)
         product = inner if dm.autocast or post_grad else 0
