@@ -381,19 +381,18 @@ def with_norm_reductions_last(moments: Sequence[LayerMoment], spec: ModelSpec, w
 
 def rebuilt_rope_bytes(spec: ModelSpec, wl: Workload, dm: Dims,
                        recompute: Recompute) -> int | None:
-    """A pre-norm layer with transformers' RoPE (``rotate_half``, every head dimension
-    rotated, no q/k norms), compiled and checkpointed inside the graph (nothing saved):
-    RoPE's kernel's working set in the forward, None elsewhere. The norm's output is freed
-    after its last readers, the q, k and v projections (Inductor's wrapper reuses its buffer
-    for q's rotated half), so RoPE's kernel holds q, k and v, each rotated half and the two
-    rotated outputs: at q's, q, k, v, q's rotated half and output, beside k's half and
-    output or, where k is made first, q's half alone (the eager order's two cases, in the
-    compute dtype under autocast too). Traced (GPU realization rules, benchmarks/
-    compiled_backward.py, Llama's layer with all KV heads, h 384, ffn 512, 1 x 640 and
-    3 x 160 tokens, full recompute): ``cpp_fused__to_copy__unsafe_view_add_mul_transpose_
+    """A pre-norm layer with transformers' RoPE (``rotate_half``, every head dimension rotated,
+    no q/k norms), compiled and checkpointed inside the graph (nothing saved): RoPE's kernel's
+    working set in the forward, None elsewhere. The norm's output is freed after its last
+    readers, the q, k and v projections (Inductor's wrapper reuses its buffer for q's rotated
+    half), so RoPE's kernel, one for q and k, holds q, k and v, each rotated half and the two
+    rotated outputs it writes: 3 T q + 4 T kv in the compute dtype (under autocast too), where
+    eagerly q's and k's rotations are apart. Traced (GPU realization rules, benchmarks/
+    compiled_backward.py, Llama's layer with all KV heads, h 384, ffn 512, 1 x 640 and 3 x 160
+    tokens, full recompute): ``cpp_fused__to_copy__unsafe_view_add_mul_transpose_
     unsqueeze_view_4`` writes ``buf14`` and ``buf15`` beside ``buf3``, ``buf5``, ``buf7``,
-    ``buf10`` (the norm output's buffer) and ``buf13``: 7 rows x h in bf16 and amp-bf16
-    alike, the forward's peak (memplan +14.3% and -18% to -22% before)."""
+    ``buf10`` (the norm output's buffer) and ``buf13``: 7 rows x h in bf16 and amp-bf16 alike,
+    the forward's peak (memplan +14.3% and -18% to -22% before)."""
     from memplan.spec import PositionKind, QkNorm
 
     if not (dm.compiled and recompute is Recompute.FULL and not compiled.in_checkpoint(wl)
@@ -403,4 +402,4 @@ def rebuilt_rope_bytes(spec: ModelSpec, wl: Workload, dm: Dims,
         return None
     q = dm.tokens * spec.q_size // dm.tp * dm.e
     k = dm.tokens * spec.kv_size // dm.tp * dm.e
-    return max(q + 2 * k + 3 * q, 2 * q + 2 * k + 3 * k)
+    return 3 * q + 4 * k
