@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from memplan.model import compiled, linear
 from memplan.model.dims import FP32_BYTES, Dims, Term
 from memplan.spec import ModelSpec
-from memplan.workload import Float8Recipe, Recompute, Workload
+from memplan.workload import Float8Recipe, Recompute, RopeCache, Workload
 
 if TYPE_CHECKING:
     from memplan.model.layer import LayerMoment
@@ -392,7 +392,11 @@ def rebuilt_rope_bytes(spec: ModelSpec, wl: Workload, dm: Dims,
     tokens, full recompute): ``cpp_fused__to_copy__unsafe_view_add_mul_transpose_
     unsqueeze_view_4`` writes ``buf14`` and ``buf15`` beside ``buf3``, ``buf5``, ``buf7``,
     ``buf10`` (the norm output's buffer) and ``buf13``: 7 rows x h in bf16 and amp-bf16 alike,
-    the forward's peak (memplan +14.3% and -18% to -22% before)."""
+    the forward's peak (memplan +14.3% and -18% to -22% before). torchtitan's complex RoPE
+    (full recompute, bf16) peaks at k's fp32 upcast beside q's with wqkv's output and v's
+    split copy, or separate, at q's complex product beside k, v and both upcasts (traced: dim
+    384, 6 heads of 64, all KV heads, 3 x 160 and 1 x 640 tokens: 9 rows x h with the input,
+    -8.4% before, now the norm's statistics under)."""
     from memplan.spec import PositionKind, QkNorm
 
     if not (dm.compiled and recompute is Recompute.FULL and not compiled.in_checkpoint(wl)
@@ -402,4 +406,11 @@ def rebuilt_rope_bytes(spec: ModelSpec, wl: Workload, dm: Dims,
         return None
     q = dm.tokens * spec.q_size // dm.tp * dm.e
     k = dm.tokens * spec.kv_size // dm.tp * dm.e
+    if (wl.rope_cache in (RopeCache.LAYER, RopeCache.MODEL_COMPLEX) and not dm.autocast
+            and wl.recompute is Recompute.FULL):  # (per-op SAC: ``layer._op_sac_kind``)
+        # torchtitan's complex product: q's and k's fp32 upcasts (their views as complex)
+        q32, k32 = q // dm.e * FP32_BYTES, k // dm.e * FP32_BYTES
+        if wl.fused_qkv or spec.fused_qkv:  # at k's upcast: wqkv's output, v's split copy
+            return q + 3 * k + q32 + k32
+        return 2 * k + 2 * q32 + k32  # at q's product: k, v and the three fp32 tensors
     return 3 * q + 4 * k

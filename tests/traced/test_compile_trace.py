@@ -2110,22 +2110,29 @@ def test_compiled_autocast_sandwich_weight_gradients_first() -> None:
     assert backward == traced
 
 
-@pytest.mark.parametrize("checkpoint", ["none", "full"])
-def test_compiled_titan_block_all_kv_heads(checkpoint: str) -> None:
-    """torchtitan's block with fused wqkv and as many KV heads as query heads (dim 384, 6
-    heads of 64, its ffn 1,024), bf16, compiled, 3 x 160 tokens (S = 480 x 384 x 2 B =
-    368,640): q and k are the same size, so Inductor's wrapper holds q's fp32 upcast (T x q x
-    4 B) for k's RoPE backward while q's complex product and the fused q/k/v gradient are made
-    (``compiled.attention_backward_moments``' third moment: S + 2 x 3 S + 2 x 2 S + the
-    table), the backward's peak. Without recompute the same kernels follow the MLP's
-    (``compiled.rebuilt_attention_schedule``). Before: -13.4% (none) and -1.96% (full); now
-    exact rebuilt, and without recompute one row's fp32 statistics under (1,920 B)."""
+@pytest.mark.parametrize("checkpoint,fused", [("none", True), ("full", True), ("full", False)])
+def test_compiled_titan_block_all_kv_heads(checkpoint: str, fused: bool) -> None:
+    """torchtitan's block with as many KV heads as query heads (dim 384, 6 heads of 64, its
+    ffn 1,024), bf16, compiled, 3 x 160 tokens (S = 480 x 384 x 2 B = 368,640).
+
+    Backward, fused wqkv: q and k are the same size, so Inductor's wrapper holds q's fp32
+    upcast (T x q x 4 B) for k's RoPE backward while q's complex product and the fused q/k/v
+    gradient are made (``compiled.attention_backward_moments``' third moment: S + 2 x 3 S +
+    2 x 2 S + the table), the backward's peak. Without recompute the same kernels follow the
+    MLP's (``compiled.rebuilt_attention_schedule``). Before: -13.4% (none) and -1.96% (full);
+    now exact rebuilt, and without recompute one row's fp32 statistics under (1,920 B).
+    Separate wq/wk/wv rebuilt: -1.96% (that schedule modelled for the fused block alone).
+
+    Forward rebuilt (``compiled_order.rebuilt_rope_bytes``): fused, at k's fp32 upcast, the
+    input, wqkv's output 3 S, v's split copy S and both upcasts 2 x 2 S; separate, at q's
+    complex product, the input, k, v and three fp32 tensors: 9 S either way (8.4% under
+    before), the trace one row's statistics over (1,920 B)."""
     from memplan.model.layer import grad_group_params
     from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
     from recorded import compiled_layer_step  # tests/traced/recorded.py
 
     fields = dict(dim=384, n_layers=1, n_heads=6, n_kv_heads=6, vocab_size=1000)
-    spec = torchtitan_spec(torchtitan_config(**fields, seq_len=160, fuse_qkv=True), "toy")
+    spec = torchtitan_spec(torchtitan_config(**fields, seq_len=160, fuse_qkv=fused), "toy")
     recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
     wl = Workload(micro_batch_size=3, seq_len=160, precision="bf16-pure", recompute=recompute,
                   compile=True, rope_cache="layer", selective_impl="op")
@@ -2133,9 +2140,15 @@ def test_compiled_titan_block_all_kv_heads(checkpoint: str) -> None:
     kind = layer_kind(spec, wl, dm, False, recompute)
     s = dm.rows * spec.hidden_size * dm.e
     backward = _model_backward(kind, grad_group_params(spec, 1, 1, False), dm.e) - s
-    _, _, traced = compiled_layer_step({"torchtitan": dict(fields, fuse_qkv=True)},
-                                       "bfloat16", 3, 160, checkpoint=checkpoint,
-                                       gpu_realize=True)
+    _, forward, traced = compiled_layer_step({"torchtitan": dict(fields, fuse_qkv=fused)},
+                                             "bfloat16", 3, 160, checkpoint=checkpoint,
+                                             gpu_realize=True)
+    if checkpoint == "full":
+        assert kind.forward_peak_bytes == 9 * 368_640
+        assert forward - (kind.forward_peak_bytes - s) == 480 * 4
+    if not fused:
+        assert traced - backward == 176_896  # (-1.96%)
+        return
     peak = max(kind.moments, key=lambda m: m.alive_bytes + m.transient_bytes + dm.e * sum(
         grad_group_params(spec, 1, 1, False)[g] for g in m.grads_before))
     assert peak.name == "attention_cat"
