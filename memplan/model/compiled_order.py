@@ -326,7 +326,7 @@ def with_parallel_attention_first(moments: Sequence[LayerMoment], spec: ModelSpe
 
 def with_norm_reductions_last(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
                               dm: Dims, recompute: Recompute) -> list[LayerMoment]:
-    """A compiled dense layer's backward, not recompute or rebuilt inside the graph (full
+    """A compiled dense layer's backward, not recomputed or rebuilt inside the graph (full
     recompute, the checkpoint inside it), its norms' weight gradients as Inductor schedules
     them: every norm's weight-gradient reduction but the attention pre-norm's is fused with
     that one, in one kernel after the attention's input-gradient matmuls, and until then
@@ -376,7 +376,6 @@ def with_norm_reductions_last(moments: Sequence[LayerMoment], spec: ModelSpec, w
         out.append(m)
         after = after or m.name == "mlp_norm"
     return out
-
 
 
 def rebuilt_rope_bytes(spec: ModelSpec, wl: Workload, dm: Dims,
