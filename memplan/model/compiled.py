@@ -722,9 +722,10 @@ def rebuilt_attention_schedule(spec: ModelSpec, wl: Workload, dm: Dims,
     one row's statistics under), one rank's whole sequence (no TP, no CP). Elsewhere
     (separate q/k/v, transformers' real RoPE, TP) the schedule was not traced and the eager
     order's moments stand."""
-    f, h = spec.ffn_hidden_size, spec.hidden_size
+    from memplan.model.compiled_order import at_mlp_threshold_or_below
+
     return ((recompute is Recompute.FULL and not in_checkpoint(wl)
-             or recompute is Recompute.NONE and dm.tokens * (f + h) > f * h)
+             or recompute is Recompute.NONE and not at_mlp_threshold_or_below(spec, dm))
             and sac_schedule(spec, dm) and (wl.fused_qkv or spec.fused_qkv)
             and wl.rope_cache is RopeCache.LAYER
             and spec.position is PositionKind.ROPE and spec.qk_norm is QkNorm.NONE

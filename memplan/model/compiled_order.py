@@ -58,6 +58,16 @@ def lpmf_defers_mlp_grads(spec: ModelSpec, dm: Dims) -> bool:
     return t * (f + h) < f * h
 
 
+def at_mlp_threshold_or_below(spec: ModelSpec, dm: Dims) -> bool:
+    """T (f + h) <= f h: the MLP's weight gradients (h f each) at least what their inputs and
+    the grad-input matmul's output hold, where Inductor's lpmf or dfs order defers them past
+    the attention's backward (at the threshold itself dfs did: torchtitan's block, 2 x 96
+    tokens, h 256, f 768, its log dfs 2,354,688 B against the baseline's 2,416,128;
+    ``lpmf_defers_mlp_grads`` is lpmf's own, strictly below)."""
+    f, h = spec.ffn_hidden_size, spec.hidden_size
+    return dm.tokens * (f + h) <= f * h
+
+
 def sac_rerun_rope(spec: ModelSpec, dm: Dims, kept: Sequence[Term],
                    ) -> tuple[str, int, int, tuple[str, ...]]:
     """Per-op SAC: the rerun's RoPE of q, after the MLP's backward and its weight gradients
@@ -344,26 +354,24 @@ def with_norm_reductions_last(moments: Sequence[LayerMoment], spec: ModelSpec, w
     ``rsqrt_1``, ``rsqrt_2``, ``buf16``; Llama's (all KV heads, ffn 512), ``buf4``, ``buf7``,
     ``mm_3``, ``rsqrt_1`` (``tangents_1`` deleted before, still alive), rebuilt ``buf27``,
     ``buf30``, ``buf17``, ``buf18``. At or below the MLP's weight-gradient threshold
-    (``lpmf_defers_mlp_grads``; at it torchtitan's block, 2 x 96 tokens: dfs 2,354,688 B
-    against the baseline's 2,416,128) Inductor takes lpmf's or dfs's order, deferring the
-    MLP's weight gradients, and the baseline's moments there are over: nothing added."""
-    f, h = spec.ffn_hidden_size, spec.hidden_size
+    (``at_mlp_threshold_or_below``) Inductor takes lpmf's or dfs's order, deferring the MLP's
+    weight gradients, and the baseline's moments there are over: nothing added."""
     rebuilt = (recompute is Recompute.FULL and not compiled.in_checkpoint(wl)
                and not dm.autocast)  # (rebuilt under autocast: not traced to the kernel)
     if (not dm.compiled or not (recompute is Recompute.NONE or rebuilt) or spec.parallel_block
-            or not spec.norm_placement.pre_norm or dm.tokens * (f + h) <= f * h
+            or not spec.norm_placement.pre_norm or at_mlp_threshold_or_below(spec, dm)
             or dm.tp > 1 or dm.float8 is not Float8Recipe.NONE):  # (traced on one rank, bf16)
         return list(moments)
-    from memplan.model.norm import norm_terms, saved_at_backward
+    from memplan.model.norm import consumers, norm_terms, saved_at_backward
 
     sandwich = spec.norm_placement.post_norm
     deferred = ["mlp_norm"] + (["attn_post_norm"] if sandwich else [])
     if sandwich and not dm.autocast:
         deferred.append("mlp_post_norm")
-    th = dm.rows * h * dm.e
-    inputs = 2 if spec.mlp.gated and not spec.fused_gate_up else 1
-    held = inputs * th + sum(saved_at_backward(norm_terms(n, spec, wl, dm)) for n in deferred)
-    held += dm.rows * h * (FP32_BYTES if sandwich or dm.autocast else dm.e)
+    th = dm.rows * spec.hidden_size * dm.e
+    held = (consumers("mlp_norm", spec, wl) * th  # the MLP's input projections' gradients
+            + sum(saved_at_backward(norm_terms(n, spec, wl, dm)) for n in deferred))
+    held += th // dm.e * (FP32_BYTES if sandwich or dm.autocast else dm.e)
     if sandwich:
         held += th + dm.rows * FP32_BYTES
     out, after = [], False
