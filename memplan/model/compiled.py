@@ -722,10 +722,10 @@ def rebuilt_attention_schedule(spec: ModelSpec, wl: Workload, dm: Dims,
     one row's statistics under), one rank's whole sequence (no TP, no CP). Elsewhere
     (separate q/k/v, transformers' real RoPE, TP) the schedule was not traced and the eager
     order's moments stand."""
-    from memplan.model.compiled_order import at_mlp_threshold_or_below
-
+    f, h = spec.ffn_hidden_size, spec.hidden_size  # (``compiled_order.
+    # at_mlp_threshold_or_below``, not imported here: compiled_order imports this module)
     return ((recompute is Recompute.FULL and not in_checkpoint(wl)
-             or recompute is Recompute.NONE and not at_mlp_threshold_or_below(spec, dm))
+             or recompute is Recompute.NONE and dm.tokens * (f + h) > f * h)
             and sac_schedule(spec, dm) and (wl.fused_qkv or spec.fused_qkv)
             and wl.rope_cache is RopeCache.LAYER
             and spec.position is PositionKind.ROPE and spec.qk_norm is QkNorm.NONE
