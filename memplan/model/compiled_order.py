@@ -399,11 +399,8 @@ def rebuilt_rope_bytes(spec: ModelSpec, wl: Workload, dm: Dims,
     tokens, full recompute): ``cpp_fused__to_copy__unsafe_view_add_mul_transpose_
     unsqueeze_view_4`` writes ``buf14`` and ``buf15`` beside ``buf3``, ``buf5``, ``buf7``,
     ``buf10`` (the norm output's buffer) and ``buf13``: 7 rows x h in bf16 and amp-bf16 alike,
-    the forward's peak (memplan +14.3% and -18% to -22% before). torchtitan's complex RoPE
-    (full recompute, bf16) peaks at k's fp32 upcast beside q's with wqkv's output and v's
-    split copy, or separate, at q's complex product beside k, v and both upcasts (traced: dim
-    384, 6 heads of 64, all KV heads, 3 x 160 and 1 x 640 tokens: 9 rows x h with the input,
-    -8.4% before, now the norm's statistics under)."""
+    the forward's peak (memplan +14.3% and -18% to -22% before). torchtitan's complex RoPE:
+    ``_titan_rope_bytes``."""
     from memplan.spec import PositionKind, QkNorm
 
     if not (dm.compiled and recompute is Recompute.FULL and not compiled.in_checkpoint(wl)
@@ -415,9 +412,43 @@ def rebuilt_rope_bytes(spec: ModelSpec, wl: Workload, dm: Dims,
     k = dm.tokens * spec.kv_size // dm.tp * dm.e
     if (wl.rope_cache in (RopeCache.LAYER, RopeCache.MODEL_COMPLEX) and not dm.autocast
             and wl.recompute is Recompute.FULL):  # (per-op SAC: ``layer._op_sac_kind``)
-        # torchtitan's complex product: q's and k's fp32 upcasts (their views as complex)
-        q32, k32 = q // dm.e * FP32_BYTES, k // dm.e * FP32_BYTES
-        if wl.fused_qkv or spec.fused_qkv:  # at k's upcast: wqkv's output, v's split copy
-            return q + 3 * k + q32 + k32
-        return 2 * k + 2 * q32 + k32  # at q's product: k, v and the three fp32 tensors
+        return _titan_rope_bytes(spec, wl, dm, q, k)
     return 3 * q + 4 * k
+
+
+def _titan_rope_bytes(spec: ModelSpec, wl: Workload, dm: Dims, q: int, k: int) -> int:
+    """torchtitan's complex RoPE in its block rebuilt inside the compiled graph (full
+    recompute, bf16): q's and k's fp32 upcasts (viewed as complex) and q's complex64 product,
+    an ``aten.mul`` fallback whose output is allocated before the upcast it reads is freed.
+    The attention norm's fp32 statistics, which nothing reads, stay allocated: the wrapper
+    holds their buffer for the MLP norm's (``buf27 = buf0; del buf0  # reuse``).
+
+    With fused q/k/v the order is Inductor's choice (the module docstring). Its baseline (the
+    graph's) upcasts q and k, then multiplies, and copies v out of wqkv's output for SDPA
+    last, so wqkv's output is alive at q's product: q + 2 kv, both upcasts and the product.
+    Inductor's estimate of that moment (the RoPE table's reshape, a fallback, counted at its
+    bytes) is compared with its estimate of the MLP's act kernel, the checkpointed forward's
+    other high point: the output projection's output and gate's, up's and the product's
+    outputs (T f each: the estimate writes the product to a buffer of its own, the wrapper
+    in place into gate's). Where the MLP's is not lower the sorts tie and the baseline stays
+    (``reorder_for_peak_memory``: ``min``, baseline first). Where it is lower, lpmf copies v
+    first (it writes least) and wqkv's output is freed after k's upcast, its last reader:
+    the peak is there, q + 3 kv with both upcasts. Without fused q/k/v the peak is at q's
+    product beside k, v and the three fp32 tensors.
+
+    Traced (benchmarks/compiled_backward.py, GPU realization rules; Inductor's log and output
+    code): torchtitan 0.3.0's debugmodel block (dim 256, 16 heads of 16, all KV heads, ffn
+    768; 1 x 512, 2 x 256, 4 x 256, 1 x 2,048 tokens): baseline kept (estimates 9 S + the
+    table against 10 S), 9 S + the statistics, memplan -11.2% before; dim 384, 6 heads of 64,
+    ffn 1,024, 3 x 160 and 1 x 640 tokens: baseline 3,358,720 B, lpmf 3,322,816 B (the MLP's
+    estimate), lpmf's order, 8 S + the statistics (-8.4%, then one row's statistics under)."""
+    q32, k32 = q // dm.e * FP32_BYTES, k // dm.e * FP32_BYTES
+    stats = dm.rows * FP32_BYTES
+    if not (wl.fused_qkv or spec.fused_qkv):
+        return 2 * k + 2 * q32 + k32 + stats
+    baseline = q + 2 * k + q32 + k32 + q32
+    th, table = compiled.attention_sizes(spec, dm)[::4]
+    mlp = th + 3 * dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    if baseline + table > mlp:
+        return q + 3 * k + q32 + k32 + stats
+    return baseline + stats
