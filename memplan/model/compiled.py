@@ -1430,14 +1430,16 @@ def lora_mlp_backward(linears: Sequence[linear.Linear], dm: Dims,
     beyond the rest: the product's gradient from the base's matmul (compute dtype) and from
     the adapter's (adapters' dtype); made by the kernel, the gradients of gate's and up's
     outputs for their base matmuls (compute dtype) and, where adapted, the scaled copies for
-    ``lora_B`` (adapters' dtype). Where the adapters compute in the base's dtype one of them
-    is written into the saved up sum's buffer, whose last reader the kernel is
-    (``decide_inplace_update``; traced: torchtune's ``LoRALinear``, fp32 and bf16; peft in
-    fp32); not where up's saved output is the cast of peft's fp32 sum to a bf16 base
-    (traced: tests/traced/test_compile_lora.py). Traced with every projection of the MLP
-    adapted: ``memplan.parallel.compile_rule`` refuses part of it inside the checkpoint
-    (with the down projection alone the saved up output is reused in place even with
-    peft's fp32 adapters, and the kernel's other outputs are not yet modelled)."""
+    ``lora_B`` (adapters' dtype). None is written into the saved up sum's buffer: with a
+    GPU's realization rules (``memplan.profile.inductor_rules``) the values the kernel
+    inlines read that sum from more than one node, so ``decide_inplace_update`` does not
+    reuse it (traced: peft in fp32, every MLP projection adapted, inside the checkpoint,
+    T f x 4 B more than with the CPU's rules, under which one gradient was written in place
+    where the adapters compute in the base's dtype: memplan's count before, -4.7% beside
+    the GPU rules' trace; tests/traced/test_compile_lora.py). Traced with every projection
+    of the MLP adapted: ``memplan.parallel.compile_rule`` refuses part of it inside the
+    checkpoint (with the down projection alone the saved up output was reused in place
+    under the CPU's rules, and the kernel's other outputs are not yet modelled)."""
     up, gate, down = linears
     ad = dm.adapters
     assert ad is not None
@@ -1449,5 +1451,4 @@ def lora_mlp_backward(linears: Sequence[linear.Linear], dm: Dims,
         freed = dm.tokens * ad.rank * low + ffn * kept
     grads = ffn * dm.e * 3 + (ffn * low if ad.adapts(down) else 0)
     grads += sum(ffn * low for lin in (up, gate) if ad.adapts(lin))
-    in_place = ffn * dm.e if low == dm.e else 0
-    return BackwardMoment("mlp_lora", saved - freed, grads - in_place, ("mlp_out",))
+    return BackwardMoment("mlp_lora", saved - freed, grads, ("mlp_out",))

@@ -433,13 +433,19 @@ def _titan_rope_bytes(spec: ModelSpec, wl: Workload, dm: Dims, q: int, k: int) -
     in place into gate's). Where the MLP's is not lower the sorts tie and the baseline stays
     (``reorder_for_peak_memory``: ``min``, baseline first). Where it is lower, lpmf copies v
     first (it writes least) and wqkv's output is freed after k's upcast, its last reader:
-    the peak is there, q + 3 kv with both upcasts. Without fused q/k/v the peak is at q's
-    product beside k, v and the three fp32 tensors.
+    the peak is there, q + 3 kv with both upcasts. In the baseline the wrapper holds the
+    norm's output, freed after wqkv's matmul, for q's bf16 cast, the next buffer of its size
+    and dtype, where its estimate over the nodes between, plus that buffer, stays at or below
+    the order's estimated peak (codegen/wrapper.py ``AllocateLine.should_reuse_buffer``), so
+    it is alive at q's product too. Without fused q/k/v the peak is at q's product beside k,
+    v and the three fp32 tensors.
 
     Traced (benchmarks/compiled_backward.py, GPU realization rules; Inductor's log and output
     code): torchtitan 0.3.0's debugmodel block (dim 256, 16 heads of 16, all KV heads, ffn
     768; 1 x 512, 2 x 256, 4 x 256, 1 x 2,048 tokens): baseline kept (estimates 9 S + the
-    table against 10 S), 9 S + the statistics, memplan -11.2% before; dim 384, 6 heads of 64,
+    table against 10 S), 9 S + the statistics, memplan -11.2% before; dim 320, 5 heads of 64,
+    ffn 1,024, 2 x 256: baseline kept and the norm's output held (9 S + the table + S below
+    the MLP's 10.6 S), 10 S + the statistics (-10.0% without the hold); dim 384, 6 heads of 64,
     ffn 1,024, 3 x 160 and 1 x 640 tokens: baseline 3,358,720 B, lpmf 3,322,816 B (the MLP's
     estimate), lpmf's order, 8 S + the statistics (-8.4%, then one row's statistics under)."""
     q32, k32 = q // dm.e * FP32_BYTES, k // dm.e * FP32_BYTES
@@ -451,4 +457,7 @@ def _titan_rope_bytes(spec: ModelSpec, wl: Workload, dm: Dims, q: int, k: int) -
     mlp = th + 3 * dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
     if baseline + table > mlp:
         return q + 3 * k + q32 + k32 + stats
-    return baseline + stats
+    # the norm's output, freed after wqkv's matmul, held for q's bf16 cast (its key) where
+    # that keeps the estimate at or below the chosen order's peak, the MLP's
+    held = th if q == th and baseline + table + th <= mlp else 0
+    return baseline + held + stats

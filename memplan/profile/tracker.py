@@ -290,7 +290,11 @@ class CompiledTracker(MemoryTracker):
 @contextlib.contextmanager
 def inductor_buffers_seen() -> Iterator[None]:
     """Inductor's CPU buffers made through aten (``CompiledTracker``) while inside; the
-    generated modules bind the allocator when they load, so compile inside this context."""
+    generated modules bind the allocator when they load, so compile inside this context.
+    Inside, Inductor compiles as for a GPU and the trackers run the checkpoint inside a
+    compiled graph (``memplan.profile.inductor_rules.as_on_gpu``)."""
+    from memplan.profile.inductor_rules import as_on_gpu
+
     guards = torch._C._dynamo.guards
     original = guards._empty_strided_cpu
 
@@ -299,6 +303,7 @@ def inductor_buffers_seen() -> Iterator[None]:
 
     guards._empty_strided_cpu = through_aten
     try:
-        yield
+        with as_on_gpu(MemoryTracker):
+            yield
     finally:
         guards._empty_strided_cpu = original

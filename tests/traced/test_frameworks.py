@@ -49,6 +49,7 @@ MIXTRAL_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                    vocab_size=512)
 TITAN_TOY = dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000)
+TITAN_DEBUG = dict(dim=256, n_layers=2, n_heads=16, n_kv_heads=16, vocab_size=2048)
 # torchtitan's Qwen3 MoE flavour (frameworks.torchtitan_moe_config; its spec's GroupedExperts
 # w1, w2, w3 three tensors, MoESpec.split_gate_up): 4 experts, top-2, routing
 # held balanced by the router's _debug_force_load_balance; widths multiples of 8 (CPU's
@@ -481,6 +482,16 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     # +0.24% (the same 2,048 B a layer)
     (FrameworkCase("torchtitan", "qwen3-moe-shared", TITAN_MOE_SHARED, "fsdp-bf16", 2, 64,
                    dp=1, options={"compile": True}), None),
+    # torchtitan 0.3.0's debugmodel block shape (dim 256, 16 heads of 16, all KV heads, fused
+    # wqkv, ffn 768), each block compiled (compile.components "model"), whole steps counted
+    # with Inductor's GPU kernel rules (memplan.profile.inductor_rules.as_on_gpu); full AC:
+    # the checkpoint inside each compiled block (its random-state operators run under the
+    # tracker). Without them, float8 under full AC traced 2,703,370 B above (-8.8%): the CPU
+    # backend's kernel that casts every weight to float8 at once
+    *[(FrameworkCase("torchtitan", "llama3-debug", TITAN_DEBUG, "fsdp-bf16", 2, 256, dp=1,
+                     options={"compile": True, **extra}), None)
+      for extra in ({}, {"ac": "selective"}, {"ac": "full"},
+                    {"ac": "full", "float8": "tensorwise"})],
     # torchao's Float8Linear on every block linear (torchtitan's float8 converter: widths
     # multiples of 16, the output head filtered), eager: the casts' fp32 working sets at each
     # projection of forward and backward (torchao 0.18.0; skipped without torchao)

@@ -369,7 +369,7 @@ def test_compiled_moe_refusals(update: dict, why: str) -> None:
 
 @pytest.mark.parametrize(("precision", "saved", "forward", "backward"), [
     ("bf16-pure", 112_640, (110_592, 112_640), (65_536, 202_752)),
-    ("fp32", 141_312, (139_264, 90_112), (94_208, 225_280))])
+    ("fp32", 141_312, (139_264, 90_112), (94_208, 270_336))])
 def test_compiled_adapted_mlp_moments(precision: str, saved: int, forward: tuple,
                                       backward: tuple) -> None:
     """LoRA rank 8 on gate, up and down of the tiny MLP, compiled (T = 64, f = 176, h = 64;
@@ -388,7 +388,8 @@ def test_compiled_adapted_mlp_moments(precision: str, saved: int, forward: tuple
     fp32: gate, up and the product (kept: the down adapter's input) 45,056 each, three
     rank-r outputs: 141,312. Forward: 139,264 beside the two ``lora_B`` outputs (90,112).
     Backward: the product and the rank-r output freed (94,208); the product's two gradients,
-    gate's and up's two each (6 x 45,056), one written into the saved up sum: 225,280."""
+    gate's and up's two each (6 x 45,056): 270,336, none written into the saved up sum
+    (with a GPU's realization rules the kernel reads it from more than one node)."""
     from memplan.model.mlp import Mlp
 
     wl = Workload.model_validate({**WL.model_dump(), "precision": precision, "lora_rank": 8,
