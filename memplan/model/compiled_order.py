@@ -438,7 +438,10 @@ def _titan_rope_bytes(spec: ModelSpec, wl: Workload, dm: Dims, q: int, k: int) -
     and dtype, where its estimate over the nodes between, plus that buffer, stays at or below
     the order's estimated peak (codegen/wrapper.py ``AllocateLine.should_reuse_buffer``), so
     it is alive at q's product too. Without fused q/k/v the peak is at q's product beside k,
-    v and the three fp32 tensors.
+    v and the three fp32 tensors. With torchao's float8 linears the norm is fused into the
+    input's float8 cast (no bf16 output to hold, no statistics buffer) and the baseline ran
+    at every width traced, dim 384 included (the MLP's estimate then counts its casts too):
+    9 S at dims 256 (both recipes), 320 (tensorwise) and 384 (rowwise).
 
     Traced (benchmarks/compiled_backward.py, GPU realization rules; Inductor's log and output
     code): torchtitan 0.3.0's debugmodel block (dim 256, 16 heads of 16, all KV heads, ffn
@@ -453,6 +456,8 @@ def _titan_rope_bytes(spec: ModelSpec, wl: Workload, dm: Dims, q: int, k: int) -
     if not (wl.fused_qkv or spec.fused_qkv):
         return 2 * k + 2 * q32 + k32 + stats
     baseline = q + 2 * k + q32 + k32 + q32
+    if dm.float8 is not Float8Recipe.NONE:
+        return baseline
     th, table = compiled.attention_sizes(spec, dm)[::4]
     mlp = th + 3 * dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
     if baseline + table > mlp:
