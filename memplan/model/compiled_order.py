@@ -450,7 +450,7 @@ def _titan_rope_bytes(spec: ModelSpec, wl: Workload, dm: Dims, q: int, k: int) -
     ffn 1,024, 2 x 256: baseline kept and the norm's output held (9 S + the table + S below
     the MLP's 10.6 S), 10 S + the statistics (-10.0% without the hold); dim 384, 6 heads of 64,
     ffn 1,024, 3 x 160 and 1 x 640 tokens: baseline 3,358,720 B, lpmf 3,322,816 B (the MLP's
-    estimate), lpmf's order, 8 S + the statistics (-8.4%, then one row's statistics under)."""
+    estimate), lpmf's order, 8 S + the statistics (-8.4%, then the statistics under; exact)."""
     q32, k32 = q // dm.e * FP32_BYTES, k // dm.e * FP32_BYTES
     stats = dm.rows * FP32_BYTES
     if not (wl.fused_qkv or spec.fused_qkv):
