@@ -452,11 +452,12 @@ def _titan_rope_bytes(spec: ModelSpec, wl: Workload, dm: Dims, q: int, k: int) -
     ffn 1,024, 3 x 160 and 1 x 640 tokens: baseline 3,358,720 B, lpmf 3,322,816 B (the MLP's
     estimate), lpmf's order, 8 S + the statistics (-8.4%, then the statistics under; exact)."""
     q32, k32 = q // dm.e * FP32_BYTES, k // dm.e * FP32_BYTES
-    stats = dm.rows * FP32_BYTES
+    float8 = dm.float8 is not Float8Recipe.NONE  # the norm fused into the input's cast
+    stats = 0 if float8 else dm.rows * FP32_BYTES
     if not (wl.fused_qkv or spec.fused_qkv):
         return 2 * k + 2 * q32 + k32 + stats
     baseline = q + 2 * k + q32 + k32 + q32
-    if dm.float8 is not Float8Recipe.NONE:
+    if float8:
         return baseline
     th, table = compiled.attention_sizes(spec, dm)[::4]
     mlp = th + 3 * dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e

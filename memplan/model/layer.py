@@ -268,9 +268,9 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     norm_out = _norm_output_beside(spec, dm)
     prior = 0
     # past the first sub-layer's add the layer's input is alive beside the residual sum the
-    # next add reads, held by its caller's loop variable until the layer returns (LlamaModel.
-    # forward: hidden_states = decoder_layer(hidden_states, ...); torchtitan TransformerBlock.
-    # forward keeps x). Traced: test_hf_moe_families.py, test_finetune.py (tests/traced)
+    # next add reads, held by its caller's loop until the layer returns (transformers
+    # modeling_llama.py LlamaModel.forward; torchtitan models/llama3/model.py TransformerBlock.
+    # forward keeps x). Traced: tests/traced/test_hf_moe_families.py, test_finetune.py
     later = {id(b) for part in sublayers(blocks)[1:] for b in part}
     for i, block in enumerate(blocks):
         prior += cast_cache_bytes(spec, wl, dm, block, recompute)
