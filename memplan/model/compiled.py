@@ -404,6 +404,21 @@ def down_grad_deferred(dm: Dims, inner: int, cast: int, fresh: int) -> bool:
             and fresh * dm.stream_e > inner + cast)
 
 
+def mlp_grads_deferred(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:
+    """Whether Inductor defers a compiled SwiGLU layer's MLP weight gradients to the
+    backward's end (``down_grad_deferred``, read for the layer's sizes); False: its baseline
+    order, the MLP's weight gradients first."""
+    inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    fresh = spec.hidden_size * spec.ffn_hidden_size // dm.tp
+    cast = dm.rows * spec.hidden_size * dm.e
+    # a norm after the MLP: its saved input and statistics held by its deferred reduction
+    kept = cast + dm.rows * FP32_BYTES if spec.norm_placement.post_norm else 0
+    return (swiglu_backward(spec, dm, Recompute.NONE) and not in_checkpoint(wl)
+            and down_grad_deferred(dm, inner,
+                                   cast + (kept and kept - spec.hidden_size * dm.stream_e),
+                                   fresh))
+
+
 def with_deferred_mlp(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
                       dm: Dims) -> list[LayerMoment]:
     """``moments`` (a layer's backward, from its last block's) where Inductor defers the
@@ -413,15 +428,12 @@ def with_deferred_mlp(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workl
     gradients, the incoming gradient's cast and, once the MLP norm's backward has run, its
     saved output (traced: 2 x 128 and 2 x 192 tokens, ``down_grad_deferred``'s cases: the
     wrapper frees each at its last reader, the deferred matmul)."""
-    e, inner = dm.e, dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
-    fresh, cast = spec.hidden_size * spec.ffn_hidden_size // dm.tp, dm.rows * spec.hidden_size * e
+    if not mlp_grads_deferred(spec, wl, dm):
+        return list(moments)
+    inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    cast = dm.rows * spec.hidden_size * dm.e
     # a norm after the MLP: its saved input and statistics held by its deferred reduction
     kept = cast + dm.rows * FP32_BYTES if spec.norm_placement.post_norm else 0
-    if not (swiglu_backward(spec, dm, Recompute.NONE) and not in_checkpoint(wl)
-            and down_grad_deferred(dm, inner,
-                                   cast + (kept and kept - spec.hidden_size * dm.stream_e),
-                                   fresh)):
-        return list(moments)
     out = []
     for m in moments:
         if m.name != "compiled_end" and ("mlp" in m.grads_before

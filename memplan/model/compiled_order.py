@@ -334,6 +334,19 @@ def with_parallel_attention_first(moments: Sequence[LayerMoment], spec: ModelSpe
             if m.name == "mlp_act" else m for m in moments]
 
 
+def _norm_reductions_last(spec: ModelSpec, wl: Workload, dm: Dims,
+                          recompute: Recompute) -> bool:
+    """Where ``with_norm_reductions_last`` applies: a compiled pre-norm layer not
+    recomputed, or rebuilt inside the graph in bf16, above the MLP's weight-gradient
+    threshold, on one rank, without float8."""
+    rebuilt = (recompute is Recompute.FULL and not compiled.in_checkpoint(wl)
+               and not dm.autocast)  # (rebuilt under autocast: not traced to the kernel)
+    return not (not dm.compiled or not (recompute is Recompute.NONE or rebuilt)
+                or spec.parallel_block or not spec.norm_placement.pre_norm
+                or at_mlp_threshold_or_below(spec, dm) or dm.tp > 1
+                or dm.float8 is not Float8Recipe.NONE)  # (traced on one rank, bf16)
+
+
 def with_norm_reductions_last(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
                               dm: Dims, recompute: Recompute) -> list[LayerMoment]:
     """A compiled dense layer's backward, not recomputed or rebuilt inside the graph (full
@@ -356,11 +369,7 @@ def with_norm_reductions_last(moments: Sequence[LayerMoment], spec: ModelSpec, w
     ``buf30``, ``buf17``, ``buf18``. At or below the MLP's weight-gradient threshold
     (``at_mlp_threshold_or_below``) Inductor takes lpmf's or dfs's order, deferring the MLP's
     weight gradients, and the baseline's moments there are over: nothing added."""
-    rebuilt = (recompute is Recompute.FULL and not compiled.in_checkpoint(wl)
-               and not dm.autocast)  # (rebuilt under autocast: not traced to the kernel)
-    if (not dm.compiled or not (recompute is Recompute.NONE or rebuilt) or spec.parallel_block
-            or not spec.norm_placement.pre_norm or at_mlp_threshold_or_below(spec, dm)
-            or dm.tp > 1 or dm.float8 is not Float8Recipe.NONE):  # (traced on one rank, bf16)
+    if not _norm_reductions_last(spec, wl, dm, recompute):
         return list(moments)
     from memplan.model.norm import consumers, norm_terms, saved_at_backward
 
@@ -384,6 +393,58 @@ def with_norm_reductions_last(moments: Sequence[LayerMoment], spec: ModelSpec, w
         out.append(m)
         after = after or m.name == "mlp_norm"
     return out
+
+
+def with_qk_norm_input_grads(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
+                             dm: Dims, recompute: Recompute) -> list[LayerMoment]:
+    """A compiled layer with per-head q/k norms before RoPE (``QkNorm.HEAD``, token-major:
+    transformers' Qwen3Attention), not recomputed, in Inductor's baseline order (the MLP's
+    weight gradients first: ``compiled.mlp_grads_deferred`` false, and
+    ``with_norm_reductions_last``'s conditions): every weight gradient of the attention, its
+    q/k norms' and the norms' reductions run after the attention's input-gradient matmuls,
+    so the last of those, q's, peaks holding what they read. ``attention_qk_norm`` after
+    ``attention.0``: SDPA's saved q, k, v and logsumexp freed, and under autocast the k and
+    v weights' casts; alive, beside ``attention.0``'s other saved tensors and
+    ``with_norm_reductions_last``'s holds: dv (for v's weight gradient), RoPE's backward
+    outputs for q and k (their norms' weight reductions read them; fp32 under autocast,
+    where the norm's fp32 weight times its bf16 output is fp32 and RoPE runs on it), the
+    norms' input gradients (the projections' weight gradients read them), the three input
+    gradients (summed by the attention norm's kernel at the end), the MLP norm's row sums
+    (fp32, held by the wrapper for the attention norm's) and under autocast the output
+    projection's output gradient, the residual gradient's bf16 cast its deferred weight
+    gradient reads; the output projection's weight gradient not made. Traced (GPU
+    realization rules, benchmarks/compiled_backward.py; Qwen3's layer, h 512, 8 heads of
+    64, ffn 1,376, amp-bf16, 1 x 768 tokens, Inductor's log: baseline, lpmf and bfs
+    25,458,688, kept): the peak at ``mm_20`` (``buf39``), 26,338,304 B with 8 KV heads,
+    23,370,752 B with 2, exact (-3.90% and -4.04% before). In bf16 the same order peaks
+    below the MLP's moments (RoPE's outputs bf16: 1 x 768, not the peak traced); under
+    autocast at 2 x 256 Inductor takes lpmf's order (the MLP deferred), left out."""
+    from memplan.model.attention import attention_linears
+    from memplan.spec import QkNorm
+    from memplan.workload import Attention
+
+    at = next((i for i, m in enumerate(moments) if m.name == "attention.0"), None)
+    if (at is None or recompute is not Recompute.NONE
+            or not _norm_reductions_last(spec, wl, dm, recompute)
+            or spec.qk_norm is not QkNorm.HEAD or not spec.qk_norm_token_major
+            or spec.norm_placement.post_norm or wl.attention is not Attention.FLASH
+            or len(attention_linears(spec)) != 4 or compiled.mlp_grads_deferred(spec, wl, dm)):
+        return list(moments)
+    e, rows = dm.e, dm.rows
+    th = rows * spec.hidden_size * e
+    q, kv = dm.tokens * spec.q_size * e, dm.tokens * spec.kv_size * e
+    rotated = (q + kv) // e * (FP32_BYTES if dm.autocast else e)
+    casts = 2 * spec.hidden_size * spec.kv_size * e if dm.autocast else 0
+    lse = dm.b * spec.num_attention_heads * dm.s * FP32_BYTES
+    branch = th if dm.autocast else 0
+    m = moments[at]
+    held = m._replace(
+        name="attention_qk_norm",
+        alive_bytes=m.alive_bytes - (q + 2 * kv) - lse - casts,
+        transient_bytes=(m.transient_bytes - 2 * (q + kv) + kv + 3 * th + rotated + q + kv
+                         + branch + rows * FP32_BYTES),
+        grads_before=tuple(g for g in m.grads_before if g != "attn_out"))
+    return [*moments[:at + 1], held, *moments[at + 1:]]
 
 
 def rebuilt_rope_bytes(spec: ModelSpec, wl: Workload, dm: Dims,

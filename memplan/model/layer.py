@@ -482,6 +482,8 @@ def _compiled_schedule(out: list[LayerMoment], spec: ModelSpec, wl: Workload, dm
     # compiled, not checkpointed around the graph: the norms' weight gradients after the
     # attention's backward
     out = compiled_order.with_norm_reductions_last(out, spec, wl, dm, recompute)
+    # compiled with per-head q/k norms: the attention's weight gradients after its inputs'
+    out = compiled_order.with_qk_norm_input_grads(out, spec, wl, dm, recompute)
     if (end := compiled.autocast_end_bytes(spec, dm)) is not None:
         # the compiled backward's end: every weight gradient made (``compiled.
         # autocast_end_bytes``), the saved set freed

@@ -2049,6 +2049,39 @@ def test_compiled_norm_reductions_after_attention(model: str, kv: int, ffn: int)
         assert backward == traced
 
 
+@pytest.mark.parametrize("kv, traced_bytes", [(8, 26_338_304), (2, 23_370_752)])
+def test_compiled_qk_norm_input_grads(kv: int, traced_bytes: int) -> None:
+    """transformers' Qwen3 layer (per-head q/k norms before RoPE) under autocast, compiled,
+    no recompute, h 512, 8 heads of 64, ffn 1,376, 1 x 768 tokens (one kernel per scheduler
+    node, GPU realization rules). Inductor keeps its baseline order (its log: baseline, lpmf
+    and bfs 25,458,688 B for 8 KV heads), which runs every attention weight gradient after
+    the attention's input-gradient matmuls: the backward peaks at q's (``mm_20``), holding
+    RoPE's fp32 backward outputs, the norms' input gradients, dv, the three input gradients
+    and the output projection's output gradient (``compiled_order.with_qk_norm_input_grads``):
+    exact, -3.90% (8 KV heads) and -4.04% (2) before, at SDPA's backward."""
+    from memplan.model.layer import grad_group_params
+    from recorded import compiled_layer_step  # tests/traced/recorded.py
+
+    config = hf("Qwen3-8B", num_hidden_layers=2, hidden_size=512, intermediate_size=1376,
+                num_attention_heads=8, head_dim=64, vocab_size=1000, num_key_value_heads=kv)
+    spec = spec_from_hf_dict(config, "toy", "toy")
+    wl = Workload(micro_batch_size=1, seq_len=768, compile=True, recompute=Recompute.NONE,
+                  precision="amp-bf16")
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, Recompute.NONE)
+    s = dm.rows * spec.hidden_size * dm.stream_e
+    groups = grad_group_params(spec, 1, 1, False)
+    _, forward, backward = compiled_layer_step(config, "float32", 1, 768,
+                                               autocast="bfloat16", checkpoint="none",
+                                               gpu_realize=True)
+    assert backward == traced_bytes
+    assert kind.forward_peak_bytes - s == forward
+    assert _model_backward(kind, groups, dm.stream_e, s) == backward
+    peak = max(kind.moments, key=lambda m: m.alive_bytes + m.transient_bytes
+               + dm.stream_e * sum(groups[g] for g in m.grads_before))
+    assert peak.name == "attention_qk_norm"
+
+
 @pytest.mark.parametrize("amp", [False, True])
 def test_compiled_norm_reductions_rebuilt(amp: bool) -> None:
     """The same Llama layer (all KV heads, ffn 512) rebuilt inside the compiled graph (full
