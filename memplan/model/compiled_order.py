@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 from memplan.model import compiled, linear
 from memplan.model.dims import FP32_BYTES, Dims, Term
-from memplan.spec import ModelSpec
-from memplan.workload import Float8Recipe, Recompute, RopeCache, Workload
+from memplan.spec import ModelSpec, QkNorm
+from memplan.workload import Attention, Float8Recipe, Recompute, RopeCache, Workload
 
 if TYPE_CHECKING:
     from memplan.model.layer import LayerMoment
@@ -420,8 +420,6 @@ def with_qk_norm_input_grads(moments: Sequence[LayerMoment], spec: ModelSpec, wl
     below the MLP's moments (RoPE's outputs bf16: 1 x 768, not the peak traced); under
     autocast at 2 x 256 Inductor takes lpmf's order (the MLP deferred), left out."""
     from memplan.model.attention import attention_linears
-    from memplan.spec import QkNorm
-    from memplan.workload import Attention
 
     at = next((i for i, m in enumerate(moments) if m.name == "attention.0"), None)
     if (at is None or recompute is not Recompute.NONE
@@ -462,7 +460,7 @@ def rebuilt_rope_bytes(spec: ModelSpec, wl: Workload, dm: Dims,
     ``buf10`` (the norm output's buffer) and ``buf13``: 7 rows x h in bf16 and amp-bf16 alike,
     the forward's peak (memplan +14.3% and -18% to -22% before). torchtitan's complex RoPE:
     ``_titan_rope_bytes``."""
-    from memplan.spec import PositionKind, QkNorm
+    from memplan.spec import PositionKind
 
     if not (dm.compiled and recompute is Recompute.FULL and not compiled.in_checkpoint(wl)
             and spec.position is PositionKind.ROPE
