@@ -404,15 +404,21 @@ def down_grad_deferred(dm: Dims, inner: int, cast: int, fresh: int) -> bool:
             and fresh * dm.stream_e > inner + cast)
 
 
+def _mlp_deferral_sizes(spec: ModelSpec, dm: Dims) -> tuple[int, int, int]:
+    """(T x f in the compute dtype, the incoming gradient's cast, what a norm after the MLP
+    holds through its deferred reduction: its saved input and statistics) of a layer."""
+    inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    cast = dm.rows * spec.hidden_size * dm.e
+    kept = cast + dm.rows * FP32_BYTES if spec.norm_placement.post_norm else 0
+    return inner, cast, kept
+
+
 def mlp_grads_deferred(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:
     """Whether Inductor defers a compiled SwiGLU layer's MLP weight gradients to the
     backward's end (``down_grad_deferred``, read for the layer's sizes); False: its baseline
     order, the MLP's weight gradients first."""
-    inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    inner, cast, kept = _mlp_deferral_sizes(spec, dm)
     fresh = spec.hidden_size * spec.ffn_hidden_size // dm.tp
-    cast = dm.rows * spec.hidden_size * dm.e
-    # a norm after the MLP: its saved input and statistics held by its deferred reduction
-    kept = cast + dm.rows * FP32_BYTES if spec.norm_placement.post_norm else 0
     return (swiglu_backward(spec, dm, Recompute.NONE) and not in_checkpoint(wl)
             and down_grad_deferred(dm, inner,
                                    cast + (kept and kept - spec.hidden_size * dm.stream_e),
@@ -430,10 +436,7 @@ def with_deferred_mlp(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workl
     wrapper frees each at its last reader, the deferred matmul)."""
     if not mlp_grads_deferred(spec, wl, dm):
         return list(moments)
-    inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
-    cast = dm.rows * spec.hidden_size * dm.e
-    # a norm after the MLP: its saved input and statistics held by its deferred reduction
-    kept = cast + dm.rows * FP32_BYTES if spec.norm_placement.post_norm else 0
+    inner, cast, kept = _mlp_deferral_sizes(spec, dm)
     out = []
     for m in moments:
         if m.name != "compiled_end" and ("mlp" in m.grads_before

@@ -419,7 +419,7 @@ def with_qk_norm_input_grads(moments: Sequence[LayerMoment], spec: ModelSpec, wl
     23,370,752 B with 2, exact (-3.90% and -4.04% before). In bf16 the same order peaks
     below the MLP's moments (RoPE's outputs bf16: 1 x 768, not the peak traced); under
     autocast at 2 x 256 Inductor takes lpmf's order (the MLP deferred), left out."""
-    from memplan.model.attention import attention_linears
+    from memplan.model.attention import attention_linears, attention_terms
 
     at = next((i for i, m in enumerate(moments) if m.name == "attention.0"), None)
     if (at is None or recompute is not Recompute.NONE
@@ -433,13 +433,16 @@ def with_qk_norm_input_grads(moments: Sequence[LayerMoment], spec: ModelSpec, wl
     q, kv = dm.tokens * spec.q_size * e, dm.tokens * spec.kv_size * e
     rotated = (q + kv) // e * (FP32_BYTES if dm.autocast else e)
     casts = 2 * spec.hidden_size * spec.kv_size * e if dm.autocast else 0
-    lse = dm.b * spec.num_attention_heads * dm.s * FP32_BYTES
+    lse = sum(t.size_bytes for t in attention_terms(spec, wl, dm, recompute)
+              if t.name == "attn.lse")
     branch = th if dm.autocast else 0
-    m = moments[at]
+    m = moments[at]  # its transient: the incoming gradient, dO, dq, dk and dv
     held = m._replace(
         name="attention_qk_norm",
         alive_bytes=m.alive_bytes - (q + 2 * kv) - lse - casts,
-        transient_bytes=(m.transient_bytes - 2 * (q + kv) + kv + 3 * th + rotated + q + kv
+        # dO, dq and dk freed (dv kept); RoPE's outputs, the norms' input gradients
+        # (q + kv), the three input gradients, the bf16 cast and the row sums made
+        transient_bytes=(m.transient_bytes - (2 * q + kv) + rotated + q + kv + 3 * th
                          + branch + rows * FP32_BYTES),
         grads_before=tuple(g for g in m.grads_before if g != "attn_out"))
     return [*moments[:at + 1], held, *moments[at + 1:]]
