@@ -160,18 +160,48 @@ CASES = [  # (library: torchtitan, transformers (Llama), olmo2 or gemma2, fused 
 # the widths of the "hf:" cases: two layers, h 256, 8 heads of 32, ffn 896
 HF_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
               num_attention_heads=8, head_dim=32, vocab_size=1000)
+# wider layers in a real model's proportions (an eighth field names them): the MLP 3 to 3.5
+# times the width, heads of 64, tokens per micro-batch 2 to 8 times the width (Llama 3.1 8B at
+# 8,192 tokens: 3.5 and 2); torchtitan's ffn from its own rule (4 dim x 2 / 3, rounded up to
+# a multiple of 256: 1,536 at dim 512, 2,816 at dim 1,024)
+WIDTHS = {
+    "d512": (dict(TITAN, dim=512, n_heads=8, n_kv_heads=2),
+             dict(HF_TOY, hidden_size=512, intermediate_size=1792, head_dim=64)),
+    "d1024": (dict(TITAN, dim=1024, n_heads=16, n_kv_heads=4), None),
+}
+CASES += [
+    # held out at those proportions: torchtitan's block as torchtitan builds it (separate
+    # q/k/v), bf16 and both float8 recipes, each recompute; transformers' Mistral and Qwen3
+    # layers (2 KV heads) in bf16 and under autocast
+    *[("torchtitan", False, "bfloat16", checkpoint, 1, 2048, float8, "d512")
+      for float8 in ("none", "tensorwise", "rowwise") for checkpoint in ("none", "full", "op")],
+    ("torchtitan", False, "bfloat16", "none", 2, 1024, "rowwise", "d512"),
+    ("torchtitan", False, "bfloat16", "full", 1, 4096, "tensorwise", "d1024"),
+    *[(f"hf:{name}:2", False, dtype, checkpoint, 1, seq, "none", "d512")
+      for name in ("Mistral-7B-v0.1", "Qwen3-8B")
+      for dtype, seq in (("bfloat16", 4096), ("amp-bf16", 2048))
+      for checkpoint in ("none", "full")],
+]
 
 
-def _hf_case(library: str) -> dict:
-    """An "hf:<folder>:<KV heads>" case's config.json, cut to ``HF_TOY``."""
+def _widths(library: str, widths: str) -> dict | None:
+    """The torchtitan block's or the "hf:" case's widths (None: the library's toy ones)."""
+    if widths == "toy":
+        return None
+    titan, hf_toy = WIDTHS[widths]
+    return titan if library == "torchtitan" else hf_toy
+
+
+def _hf_case(library: str, widths: str = "toy") -> dict:
+    """An "hf:<folder>:<KV heads>" case's config.json, cut to ``HF_TOY`` (or ``widths``)."""
     from hf_configs import hf
 
     _, name, kv = library.split(":")
-    return hf(name, **HF_TOY, num_key_value_heads=int(kv))
+    return hf(name, **(_widths(library, widths) or HF_TOY), num_key_value_heads=int(kv))
 
 
 def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: int,
-                  seq: int, float8: str = "none") -> tuple[int, int]:
+                  seq: int, float8: str = "none", widths: str = "toy") -> tuple[int, int]:
     """memplan's (forward peak, backward peak) of the layer, each less one stream tensor."""
     from hf_configs import GEMMA2_TOY, LLAMA3_TOY, OLMO2_TOY, hf
 
@@ -185,7 +215,7 @@ def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch:
                  "op": Recompute.SELECTIVE}[checkpoint]
     precision = {"bfloat16": "bf16-pure", "float32": "fp32"}.get(dtype, dtype)
     if library.startswith("hf:"):
-        spec, extra = spec_from_hf_dict(_hf_case(library), "toy", "toy"), {}
+        spec, extra = spec_from_hf_dict(_hf_case(library, widths), "toy", "toy"), {}
     elif library == "transformers":
         spec, extra = spec_from_hf_dict(hf("Meta-Llama-3-8B", **LLAMA3_TOY), "toy", "toy"), {}
     elif library == "olmo2":
@@ -195,7 +225,8 @@ def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch:
     else:
         from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
 
-        spec = torchtitan_spec(torchtitan_config(**TITAN, seq_len=seq, fuse_qkv=fused), "toy")
+        titan = _widths(library, widths) or TITAN
+        spec = torchtitan_spec(torchtitan_config(**titan, seq_len=seq, fuse_qkv=fused), "toy")
         extra = {"rope_cache": "layer", "selective_impl": "op", "float8": float8}
     wl = Workload(micro_batch_size=batch, seq_len=seq, precision=precision,
                   recompute=recompute, compile=True, **extra)
@@ -213,18 +244,20 @@ def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch:
 
 
 def traced_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: int,
-                 seq: int, float8: str = "none", gpu_realize: bool = True) -> tuple[int, int]:
+                 seq: int, float8: str = "none", widths: str = "toy",
+                 gpu_realize: bool = True) -> tuple[int, int]:
     """The traced (forward peak, backward peak), by default with Inductor's GPU realization
     rules (``gpu_realize``)."""
     from hf_configs import GEMMA2_TOY, LLAMA3_TOY, OLMO2_TOY, hf
 
     from memplan.profile.compiled_trace import compiled_layer_step
 
-    config = (_hf_case(library) if library.startswith("hf:")
+    config = (_hf_case(library, widths) if library.startswith("hf:")
               else hf("Meta-Llama-3-8B", **LLAMA3_TOY) if library == "transformers"
               else hf("OLMo-2-1124-7B", **OLMO2_TOY) if library == "olmo2"
               else hf("gemma-2-9b", **GEMMA2_TOY) if library == "gemma2"
-              else {"torchtitan": dict(TITAN, fuse_qkv=fused, float8=float8)})
+              else {"torchtitan": dict(_widths(library, widths) or TITAN, fuse_qkv=fused,
+                                       float8=float8)})
     weights, autocast = ("float32", "bfloat16") if dtype == "amp-bf16" else (dtype, None)
     _, forward, backward = compiled_layer_step(
         config, weights, batch, seq, autocast, checkpoint, gpu_realize=gpu_realize)
@@ -244,7 +277,8 @@ def main() -> int:
               if args.stored else {})
     rows = []
     for case in CASES:
-        if args.float8 and len(case) < 7:
+        case = _padded(case)
+        if args.float8 and case[6] == "none":
             continue
         row = stored.get(case)
         traced = ((row["traced_forward_bytes"], row["traced_backward_bytes"]) if row
@@ -252,9 +286,10 @@ def main() -> int:
         cpu = ((row["cpu_traced_forward_bytes"], row["cpu_traced_backward_bytes"]) if row
                else traced_peaks(*case, gpu_realize=False))
         model = memplan_peaks(*case)
-        library, fused, dtype, checkpoint, batch, seq, float8 = (*case, "none")[:7]
+        library, fused, dtype, checkpoint, batch, seq, float8, widths = case
         row = {"library": library, "fused_qkv": fused, "dtype": dtype, "checkpoint": checkpoint,
                "batch": batch, "seq": seq, **({"float8": float8} if float8 != "none" else {}),
+               **({"widths": widths} if widths != "toy" else {}),
                "traced_forward_bytes": traced[0],
                "memplan_forward_bytes": model[0], "traced_backward_bytes": traced[1],
                "memplan_backward_bytes": model[1], "cpu_traced_forward_bytes": cpu[0],
@@ -262,7 +297,7 @@ def main() -> int:
         rows.append(row)
         print(f"{library:12s} {checkpoint:4s} {batch} x {seq:5d} {dtype}"
               f"{'' if float8 == 'none' else ' float8 ' + float8}"
-              f"{'' if fused else ' q/k/v'}: forward (B) "
+              f"{'' if fused else ' q/k/v'}{'' if widths == 'toy' else ' ' + widths}: forward (B) "
               f"{model[0]:,} vs {traced[0]:,} ({model[0] / traced[0] - 1:+.2%}), backward "
               f"{model[1]:,} vs {traced[1]:,} ({model[1] / traced[1] - 1:+.2%}); CPU rules "
               f"{cpu[0]:,} / {cpu[1]:,}", flush=True)
@@ -277,9 +312,14 @@ def main() -> int:
 
 
 def _key(row: dict) -> tuple:
-    key = (row["library"], row["fused_qkv"], row["dtype"], row["checkpoint"], row["batch"],
-           row["seq"])
-    return key + ((row["float8"],) if "float8" in row else ())
+    """A stored row's case, every field given (``memplan_peaks``' arguments)."""
+    return (row["library"], row["fused_qkv"], row["dtype"], row["checkpoint"], row["batch"],
+            row["seq"], row.get("float8", "none"), row.get("widths", "toy"))
+
+
+def _padded(case: tuple) -> tuple:
+    """A case with its optional float8 recipe and widths given."""
+    return case + ("none", "toy")[len(case) - 6:]
 
 
 if __name__ == "__main__":
