@@ -181,9 +181,9 @@ CASES += [
       for name in ("Mistral-7B-v0.1", "Qwen3-8B")
       for dtype, seq in (("bfloat16", 4096), ("amp-bf16", 2048))
       for checkpoint in ("none", "full")],
-    # the same widths below the MLP's weight-gradient threshold (T (f + h) < f h: 398 tokens
-    # at h 512, ffn 1,792; Llama 3.1 8B's is 3,185, so a fine-tuning micro-batch of 1 x 2,048
-    # is below it), 1 x 256 tokens
+    # the same widths below the MLP's weight-gradient threshold (T (f + h) < f h: fewer than
+    # 399 tokens at h 512, ffn 1,792; Llama 3.1 8B: fewer than 3,186, so a fine-tuning
+    # micro-batch of 1 x 2,048 is below it), 1 x 256 tokens
     *[("torchtitan", False, "bfloat16", checkpoint, 1, 256, "none", "d512")
       for checkpoint in ("none", "full", "op")],
     ("torchtitan", False, "bfloat16", "full", 1, 256, "tensorwise", "d512"),

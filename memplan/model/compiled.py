@@ -1297,6 +1297,19 @@ def _float8_tp_forward(dm: Dims, recompute: Recompute) -> bool:
     return dm.compiled and dm.float8_tp and recompute is Recompute.NONE and not dm.rerun
 
 
+def mlp_grad_threshold_tokens(spec: ModelSpec, tp: int = 1) -> int | None:
+    """The fewest tokens a micro-batch holds at or above the dense MLP's weight-gradient
+    threshold, T (f + h) >= f h with f the rank's share (f / tp): below it the MLP's weight
+    gradients (h f each) outweigh its activations (T f each) and Inductor's memory-aware
+    sorts reorder the compiled layer's backward (``compiled_order.lpmf_defers_mlp_grads``,
+    ``compiled_order.at_mlp_threshold_or_below``). Llama 3.1 8B (h 4,096, f 14,336): 3,186
+    tokens. None: no dense MLP (MoE layers)."""
+    f, h = spec.ffn_hidden_size // tp, spec.hidden_size
+    if spec.moe is not None or f <= 0:
+        return None
+    return -(-f * h // (f + h))
+
+
 def rerun_dims(dm: Dims) -> Dims:
     """``dm`` for the forward a full recompute reruns in a compiled layer's backward
     (``Dims.rerun``): what it rebuilds, not the saved set ``float8_tp_weights`` traces."""

@@ -28,3 +28,30 @@ def test_json_workload_names_compile_and_float8(capsys) -> None:
                  "torchtitan", "--compile", "--float8", "rowwise", "--json"]) == 0
     wl = json.loads(capsys.readouterr().out)["workload"]
     assert (wl["compile"], wl["float8"]) == (True, "rowwise")
+
+
+def test_compiled_micro_batch_below_the_mlp_threshold_is_said() -> None:
+    """Below T (f + h) < f h Inductor reorders a compiled layer's backward, which memplan
+    follows for one block only: the output says where a job is there. Llama 3.1 8B (h 4,096,
+    f 14,336): f h / (f + h) = 58,720,256 / 18,432 = 3,185.8, so 3,186 tokens is the first
+    at or above it; under TP 2 the rank's f is 7,168: 29,360,128 / 11,264 = 2,606.5."""
+    from memplan.model.compiled import mlp_grad_threshold_tokens
+    from memplan.spec import load_model
+
+    spec = load_model("llama-3.1-8b")
+    assert mlp_grad_threshold_tokens(spec) == 3186
+    assert mlp_grad_threshold_tokens(spec, 2) == 2607
+    assert mlp_grad_threshold_tokens(load_model("mixtral-8x7b")) is None
+
+    def said(**kw) -> list[str]:
+        est = estimate("llama-3.1-8b", gpus=8, zero=3, compile=True, **kw)
+        return [a for a in est.assumptions if "weight-gradient threshold" in a]
+
+    line, = said(seq_len=2048)
+    assert line.startswith("2,048 tokens a micro-batch") and "threshold of 3,186" in line
+    assert said(seq_len=4096) == []
+    assert said(seq_len=1024, micro_batch_size=4) == []  # 4,096 tokens
+    line, = said(seq_len=4096, cp=2)  # 2,048 tokens a rank
+    assert line.startswith("2,048 tokens")
+    eager = estimate("llama-3.1-8b", gpus=8, zero=3, seq_len=2048)
+    assert not [a for a in eager.assumptions if "weight-gradient threshold" in a]
