@@ -168,6 +168,8 @@ WIDTHS = {
     "d512": (dict(TITAN, dim=512, n_heads=8, n_kv_heads=2),
              dict(HF_TOY, hidden_size=512, intermediate_size=1792, head_dim=64)),
     "d1024": (dict(TITAN, dim=1024, n_heads=16, n_kv_heads=4), None),
+    # Gemma 2's own MLP ratio (9B: 14,336 / 3,584 = 4)
+    "d512f4": (None, dict(HF_TOY, hidden_size=512, intermediate_size=2048, head_dim=64)),
 }
 CASES += [
     # held out at those proportions: torchtitan's block as torchtitan builds it (separate
@@ -190,6 +192,11 @@ CASES += [
     *[(f"hf:{name}:2", False, dtype, checkpoint, 1, 256, "none", "d512")
       for name in ("Mistral-7B-v0.1", "Qwen3-8B") for dtype in ("bfloat16", "amp-bf16")
       for checkpoint in ("none", "full")],
+    # Gemma 2's sandwich layer at its own MLP ratio, 4 KV heads
+    ("hf:gemma-2-9b:4", False, "amp-bf16", "none", 2, 256, "none", "d512f4"),
+    ("hf:gemma-2-9b:4", False, "amp-bf16", "none", 1, 2048, "none", "d512f4"),
+    ("hf:gemma-2-9b:4", False, "bfloat16", "none", 1, 2048, "none", "d512f4"),
+    ("hf:gemma-2-9b:4", False, "amp-bf16", "full", 1, 2048, "none", "d512f4"),
 ]
 
 
