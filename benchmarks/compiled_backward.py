@@ -188,7 +188,8 @@ CASES += [
     # micro-batch of 1 x 2,048 is below it), 1 x 256 tokens
     *[("torchtitan", False, "bfloat16", checkpoint, 1, 256, "none", "d512")
       for checkpoint in ("none", "full", "op")],
-    ("torchtitan", False, "bfloat16", "full", 1, 256, "tensorwise", "d512"),
+    *[("torchtitan", False, "bfloat16", checkpoint, 1, 256, float8, "d512")
+      for float8 in ("tensorwise", "rowwise") for checkpoint in ("none", "full", "op")],
     *[(f"hf:{name}:2", False, dtype, checkpoint, 1, 256, "none", "d512")
       for name in ("Mistral-7B-v0.1", "Qwen3-8B") for dtype in ("bfloat16", "amp-bf16")
       for checkpoint in ("none", "full")],
