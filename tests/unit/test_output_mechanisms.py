@@ -55,3 +55,28 @@ def test_compiled_micro_batch_below_the_mlp_threshold_is_said() -> None:
     assert line.startswith("2,048 tokens")
     eager = estimate("llama-3.1-8b", gpus=8, zero=3, seq_len=2048)
     assert not [a for a in eager.assumptions if "weight-gradient threshold" in a]
+
+
+def test_compiled_float8_rowwise_without_recompute_states_dfs_bound() -> None:
+    """Rowwise float8, compiled, no recompute: the bytes Inductor's dfs order may hold beyond
+    the estimate at one layer's backward are said. Llama 3.1 8B at 8,192 tokens: h h + f h
+    float8 weight casts (16,777,216 + 58,720,256) and T h for the gradient's cast
+    (33,554,432): 109,051,904 B; TP 2 halves the weights' shares: 71,303,168 B. Each traced
+    under-estimate (benchmarks/data/compiled_backward.json's rowwise rows without recompute)
+    is within it: dim 512, 1 x 256, 272,900 B against 1,179,648."""
+    from memplan.model.compiled import float8_rowwise_dfs_bytes
+    from memplan.spec import load_model
+
+    spec = load_model("llama-3.1-8b")
+    assert float8_rowwise_dfs_bytes(spec, 1, 8192) == 109_051_904
+    assert float8_rowwise_dfs_bytes(spec, 2, 8192) == 71_303_168
+
+    def said(**kw) -> list[str]:
+        est = estimate("llama-3.1-8b", gpus=8, zero=3, framework="torchtitan", compile=True,
+                       **kw)
+        return [a for a in est.assumptions if a.startswith("float8 rowwise without")]
+
+    line, = said(float8="rowwise", recompute="none", seq_len=8192)
+    assert "up to 109,051,904 B more" in line
+    assert said(float8="rowwise", recompute="full", seq_len=8192) == []
+    assert said(float8="tensorwise", recompute="none", seq_len=8192) == []
