@@ -521,17 +521,17 @@ def _compile_float8_lines(spec: ModelSpec, par: ParallelConfig, wl: Workload
         if (spec.moe is not None and wl.moe_impl is MoeImpl.TITAN
                 and wl.recompute is Recompute.FULL):
             lines.append(TITAN_MOE_FULL_AC_LINE)
-    if (wl.compile and wl.float8.value == "rowwise" and wl.recompute is Recompute.NONE
-            and spec.moe is None):
-        tokens = wl.micro_batch_size * wl.seq_len // par.cp
-        lines.append(FLOAT8_ROWWISE_DFS_LINE.format(
-            bytes=compiled.float8_rowwise_dfs_bytes(spec, par.tp, tokens)))
     if wl.float8.value != "none":
         lines.append(
             f"float8 linears ({wl.float8.value} scaling; torchao convert_to_float8_training "
             "as torchtitan applies it, the output head not converted): their casts and "
             "scales (memplan.model.linear float8_forward_bytes)"
             + ("; weights all-gathered by FSDP2 in float8" if wl.float8_all_gather else ""))
+    if (wl.compile and wl.float8.value == "rowwise" and wl.recompute is Recompute.NONE
+            and spec.moe is None):
+        tokens = wl.micro_batch_size * wl.seq_len // par.cp
+        lines.append(FLOAT8_ROWWISE_DFS_LINE.format(
+            bytes=compiled.float8_rowwise_dfs_bytes(spec, par.tp, tokens)))
     if wl.async_tp:
         lines.append("async TP (Inductor's micro-pipelined all-gather and reduce-scatter "
                      "matmuls): step time only, memory as plain tensor parallelism")
