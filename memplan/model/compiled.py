@@ -1321,8 +1321,8 @@ def float8_rowwise_dfs_bytes(spec: ModelSpec, tp: int, tokens: int) -> int:
     against the baseline's 8,823,556, the trace 3.64% above memplan's moment; h 256, 2 x
     1,024 with the complex table, 1.05%; h 256, 2 x 64, 3.8% (7.0% with fused q/k/v). At
     dim 512, 1 x 2,048 the baseline is kept (2,048 B apart) and holds the gradient's cast
-    alone (2.05%). Each under this bound. Not modelled as a moment (which
-    order Inductor keeps needs both orders' estimates): the output states it as a bound."""
+    alone (2.05%). Each under this bound. Not modelled as a moment (which order Inductor
+    keeps needs both orders' estimates): the output states it as a bound."""
     h = spec.hidden_size
     return (h * h + spec.ffn_hidden_size * h) // tp * linear.FLOAT8_BYTES + tokens * h * (
         linear.FLOAT8_BYTES)
