@@ -206,7 +206,10 @@ def _widths(library: str, widths: str) -> dict | None:
     if widths == "toy":
         return None
     titan, hf_toy = WIDTHS[widths]
-    return titan if library == "torchtitan" else hf_toy
+    got = titan if library == "torchtitan" else hf_toy
+    if got is None:  # not the toy widths under another name
+        raise ValueError(f"widths {widths!r} name no widths for {library!r}")
+    return got
 
 
 def _hf_case(library: str, widths: str = "toy") -> dict:

@@ -505,6 +505,7 @@ def _compile_float8_lines(spec: ModelSpec, par: ParallelConfig, wl: Workload
     """What the output says of ``Workload.compile``, ``float8`` and ``async_tp``, each modelled
     where the layer model reads it."""
     lines = []
+    tokens = wl.micro_batch_size * wl.seq_len // par.cp  # a micro-batch's, on this rank
     if wl.compile:
         lines.append(
             "each decoder layer compiled (torch.compile, Inductor): its saved tensors from "
@@ -514,7 +515,6 @@ def _compile_float8_lines(spec: ModelSpec, par: ParallelConfig, wl: Workload
                wl.compile_in_checkpoint else "")
             + ("; the cross-entropy compiled" if wl.compile_loss else ""))
         threshold = compiled.mlp_grad_threshold_tokens(spec, par.tp)
-        tokens = wl.micro_batch_size * wl.seq_len // par.cp
         if threshold is not None and tokens < threshold:
             lines.append(COMPILED_BELOW_THRESHOLD_LINE.format(tokens=tokens,
                                                               threshold=threshold))
@@ -529,7 +529,6 @@ def _compile_float8_lines(spec: ModelSpec, par: ParallelConfig, wl: Workload
             + ("; weights all-gathered by FSDP2 in float8" if wl.float8_all_gather else ""))
     if (wl.compile and wl.float8.value == "rowwise" and wl.recompute is Recompute.NONE
             and spec.moe is None):
-        tokens = wl.micro_batch_size * wl.seq_len // par.cp
         lines.append(FLOAT8_ROWWISE_DFS_LINE.format(
             bytes=compiled.float8_rowwise_dfs_bytes(spec, par.tp, tokens)))
     if wl.async_tp:
