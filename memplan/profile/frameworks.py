@@ -256,8 +256,16 @@ def run_library_steps(built: Built, tracker: LibraryTracker, *, steps: int = 2) 
 def make_workload(built: Built) -> Workload:
     """The memplan workload a built library model is estimated with: its framework's preset
     (``memplan.presets``) and the knobs the case sets."""
+    fields = dict(built.workload)
+    if (built.library == "transformers" and fields.get("compile")
+            and fields.get("recompute") == "full"):
+        # ``build_hf`` compiles each decoder layer (``layer.compile``) and turns on
+        # transformers' gradient checkpointing, whose GradientCheckpointingLayer.__call__
+        # checkpoints ``nn.Module.__call__`` (transformers/modeling_layers.py), which runs the
+        # layer's compiled call: the checkpoint around the compiled layer
+        fields.setdefault("compile_in_checkpoint", True)
     return api.resolve(built.spec, gpus=built.layout.world_size, zero=int(built.layout.zero),
-                       **built.workload)[2]
+                       **fields)[2]
 
 
 def compare_built(built: Built, trace: TraceResult) -> Comparison:

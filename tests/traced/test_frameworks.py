@@ -104,6 +104,37 @@ COHERE2_TOY = dict(LLAMA3_TOY, num_hidden_layers=4, head_dim=32, **NO_IDS)
 # Ministral3Config's own defaults (YaRN, llama_4_scaling_beta 0.1) at LLAMA3_TOY's shape
 MINISTRAL3_TOY = dict(LLAMA3_TOY, model_type="ministral3", head_dim=32, pad_token_id=None,
                       bos_token_id=None, eos_token_id=None)
+# held out, compiled (below): transformers' layers at a real model's proportions (Llama 3.1
+# 8B's ffn ratio 3.5, heads of 64, 2 KV heads), torchtitan's block at dim 512, and one-layer
+# steps whose layer backward is most of the step
+HELD_HF = dict(num_hidden_layers=3, hidden_size=512, intermediate_size=1792,
+               num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=1024,
+               pad_token_id=None)
+HELD_TITAN = dict(dim=512, n_layers=3, n_heads=8, n_kv_heads=2, vocab_size=1024)
+ONE_LAYER_DEBUG = dict(TITAN_DEBUG, n_layers=1, vocab_size=256)
+ONE_LAYER_TOY = dict(TITAN_TOY, n_layers=1, vocab_size=256)
+_LPMF = ("below the MLP's weight-gradient threshold Inductor's scheduler takes lpmf's order "
+         "for the layer's backward (torch/_inductor/memory.py reorder_for_peak_memory: the "
+         "least estimated peak of its own order and three sorts), which runs the MLP's weight "
+         "gradients last; memplan keeps the baseline order (the estimate's assumption line, "
+         "compiled.mlp_grad_threshold_tokens), over")
+BELOW_THRESHOLD_LLAMA = Known(
+    ("first_step.backward_bytes",),
+    _LPMF + " by 730,880 B in the first step's backward (no optimizer states yet), 0.81% "
+    "in the steady one's", {"first_step.backward_bytes": (730_880, 1.6064)})
+BELOW_THRESHOLD_LLAMA_FULL = Known(
+    ("first_step.backward_bytes",),
+    _LPMF + " by 732,928 B in the first step's backward, 0.81% in the steady one's",
+    {"first_step.backward_bytes": (732_928, 1.6109)})
+BELOW_THRESHOLD_QWEN3 = Known(
+    ("first_step.backward_bytes", "steady.backward_bytes"),
+    _LPMF + " by 1,068,544 B (Qwen3's per-head q/k norms)",
+    {"first_step.backward_bytes": (1_068_544, 2.3484),
+     "steady.backward_bytes": (1_068_544, 1.1793)})
+BELOW_THRESHOLD_ONE_LAYER = Known(
+    ("first_step.backward_bytes",),
+    _LPMF + " by 66,688 B in the first step's backward",
+    {"first_step.backward_bytes": (66_688, 1.4843)})
 LITGPT_TOY = dict(n_layer=2, n_embd=256, n_head=4, intermediate_size=688, vocab_size=1000,
                   padded_vocab_size=1000, block_size=256)
 LITGPT_GQA = dict(LITGPT_TOY, n_head=8, n_query_groups=2)
@@ -515,6 +546,47 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     (FrameworkCase("torchtitan", "llama3-toy-qkv", TITAN_TOY | {"fuse_qkv": False},
                    "fsdp-bf16", 2, 512, dp=8,
                    options={"float8": "tensorwise", "float8_all_gather": True}), None),
+    # --- compiled steps held out at a real model's proportions -------------------------------
+    # transformers' layers at h 512, ffn 1,792, heads of 64, 2 KV heads (Gemma 2: ffn 2,048,
+    # 4 KV heads; OLMo 2's layer is refused under autocast), three layers, each compiled
+    # (layer.compile); torchtitan's block at dim 512 (ffn 1,536, separate q/k/v), each block
+    # compiled. 1 x 256 tokens is below the MLP's weight-gradient threshold (T (f + h) < f h:
+    # 399 tokens at h 512, ffn 1,792, 385 at dim 512, ffn 1,536), where Inductor may order
+    # the layer's backward by lpmf or dfs (torch/_inductor/memory.py reorder_for_peak_memory)
+    # and memplan keeps the baseline order, over (the estimate says so:
+    # compiled.mlp_grad_threshold_tokens); 1 x 384 and 2 x 256 above it
+    (FrameworkCase("transformers", "Meta-Llama-3-8B", hf("Meta-Llama-3-8B", **HELD_HF),
+                   "bf16-pure", 1, 256, options={"compile": True}), BELOW_THRESHOLD_LLAMA),
+    # gradient checkpointing around each compiled layer (compile_in_checkpoint)
+    (FrameworkCase("transformers", "Meta-Llama-3-8B", hf("Meta-Llama-3-8B", **HELD_HF),
+                   "bf16-pure", 1, 256, options={"compile": True, "recompute": "full"}),
+     BELOW_THRESHOLD_LLAMA_FULL),
+    (FrameworkCase("transformers", "Qwen3-8B", hf("Qwen3-8B", **HELD_HF), "bf16-pure", 1, 256,
+                   options={"compile": True}), BELOW_THRESHOLD_QWEN3),
+    (FrameworkCase("transformers", "Mistral-7B-v0.1", hf("Mistral-7B-v0.1", **HELD_HF),
+                   "amp-bf16", 1, 384, options={"compile": True}), None),
+    (FrameworkCase("transformers", "gemma-2-9b",
+                   hf("gemma-2-9b", **HELD_HF | dict(intermediate_size=2048,
+                                                     num_key_value_heads=4)),
+                   "amp-bf16", 2, 256, options={"compile": True}), None),
+    *[(FrameworkCase("torchtitan", "llama3-d512", HELD_TITAN, "fsdp-bf16", 1, seq,
+                     options={"compile": True, **extra}), None)
+      for seq, extra in ((256, {}), (256, {"float8": "rowwise"}),
+                         (256, {"float8": "tensorwise", "ac": "full"}),
+                         (256, {"float8": "tensorwise", "ac": "selective"}),
+                         (2048, {"float8": "rowwise"}))],
+    # one layer and a small vocabulary, so the layer's backward is most of the step: the
+    # layer rows most off in benchmarks/compiled_backward.py (fused q/k/v rowwise without
+    # recompute -7.0%, tensorwise full +7.6%, transformers' Llama at 2 x 80 +5.7%)
+    *[(FrameworkCase("torchtitan", "llama3-debug", config, "fsdp-bf16", 2, 64,
+                     options={"compile": True, **extra}), None)
+      for config, extra in ((ONE_LAYER_DEBUG, {"float8": "rowwise"}),
+                            (ONE_LAYER_DEBUG, {"float8": "tensorwise", "ac": "full"}),
+                            (ONE_LAYER_TOY, {"float8": "rowwise"}))],
+    (FrameworkCase("transformers", "Meta-Llama-3-8B",
+                   hf("Meta-Llama-3-8B", **LLAMA3_TOY | dict(num_hidden_layers=1,
+                                                             vocab_size=256)),
+                   "bf16-pure", 2, 80, options={"compile": True}), BELOW_THRESHOLD_ONE_LAYER),
     # --- litgpt through Lightning Fabric, as litgpt/pretrain.py runs it ----------------------
     # (the lightning preset holds the loop's fp32 logits from the loss to the next forward)
     (FrameworkCase("litgpt", "Llama-2-7b-hf", LITGPT_TOY, "fp32", 2, 128), None),
