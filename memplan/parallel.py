@@ -1004,6 +1004,14 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
             f"seq ({wl.seq_len}) exceeds {spec.name}'s learned positions ({spec.max_seq_len})")
     if (err := cp_rule(wl.seq_len, par.cp)) is not None:
         raise err
+    if wl.attention_global_buffer and (par.cp > 1 or wl.attention.value != "eager"):
+        # megatron/core/transformer/dot_product_attention.py DotProductAttention.__init__
+        # asserts context_parallel_size == 1; it always materialises the scores
+        raise LayoutError(
+            "attention_global_buffer needs cp 1 and attention eager",
+            f"attention_global_buffer (Megatron's own core attention) with cp {par.cp} and "
+            f"attention {wl.attention.value}: that attention materialises the scores "
+            "(attention eager) and runs without context parallelism (cp 1)")
     if optimizer_on_host(par) and wl.optimizer.value not in ("adamw", "sgd"):
         raise LayoutError(f"offload optimizer does not combine with {wl.optimizer.value}",
                           f"offload optimizer runs its step on the host (CPU Adam); optimizer "

@@ -917,6 +917,13 @@ class Workload(Record):
         "the routed experts run Transformer Engine's grouped GEMM (its GroupedLinear; "
         "Megatron-LM's --moe-grouped-gemm): one cuBLAS workspace per TE compute stream, "
         "made at the first grouped GEMM and kept (memplan.overheads.with_library_workspaces)"))
+    attention_global_buffer: bool = Field(default=False, description=(
+        "Megatron-LM's own core attention (--transformer-impl local: megatron/core/"
+        "transformer/dot_product_attention.py DotProductAttention.forward) takes its scores' "
+        "baddbmm input from the global memory buffer (parallel_state."
+        "get_global_memory_buffer().get_tensor(..., 'mpu')), made at the first attention and "
+        "kept; its sequence-parallel linears gather into the same buffer "
+        "(memplan.model.attention.global_buffer_bytes)"))
     te_gemm_workspace: bool = Field(default=False, description=(
         "Transformer Engine's modules run their GEMMs on TE's own cuBLAS workspace, made at "
         "the first TE GEMM and kept beside PyTorch's (memplan.overheads."

@@ -610,6 +610,9 @@ class _Reader:
         backend = self.str("--attention-backend", "auto")
         if impl == "local":  # megatron/core/transformer/dot_product_attention.py
             imp.set("--transformer-impl", impl, "attention", "eager", "scores materialised")
+            imp.set("--transformer-impl", impl, "attention_global_buffer", True,
+                    "its core attention's baddbmm input taken from Megatron's global memory "
+                    "buffer, kept (DotProductAttention.forward)")
         else:
             eager = backend == "unfused"
             imp.set("--attention-backend", backend, "attention", "eager" if eager else "flash",

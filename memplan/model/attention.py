@@ -11,6 +11,7 @@ section 5) reruns the core, so nothing the core saves internally is kept.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from memplan.model import compiled, eager, linear
 from memplan.model.block import BackwardMoment, Moment
@@ -21,6 +22,9 @@ from memplan.model.norm import norm_terms
 from memplan.spec import ModelSpec, PositionKind, QkNorm, qk_norm_params
 from memplan.workload import Attention as Kernel
 from memplan.workload import AttentionImpl, Recompute, RopeCache, TeFp8Recipe, Workload
+
+if TYPE_CHECKING:
+    from memplan.parallel import ParallelConfig
 
 
 def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
@@ -782,6 +786,34 @@ def rope_buffer_bytes(spec: ModelSpec, wl: Workload, num_layers: int) -> int:
         return num_layers * wl.seq_len * 2 * spec.rope_dim * FP32_BYTES
     table = wl.seq_len * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES
     return table if wl.rope_cache is RopeCache.MODEL_COMPLEX else num_layers * table
+
+
+def global_buffer_bytes(spec: ModelSpec, par: ParallelConfig, wl: Workload,
+                        num_layers: int) -> int:
+    """Megatron-LM's global memory buffer as one pipeline stage's rank keeps it
+    (``Workload.attention_global_buffer``: --transformer-impl local), in bytes. megatron-core's
+    ``GlobalMemoryBuffer.get_tensor`` (utils.py, 0.16.1) keeps one tensor per (name, dtype),
+    remade larger when a request outgrows it and never freed. Under the name "mpu" in the
+    compute dtype it serves:
+
+    - the core attention's baddbmm input (transformer/dot_product_attention.py
+      ``DotProductAttention.forward``: shape (b * np, sq, sk), np the rank's query heads; the
+      scores themselves are baddbmm's own output, beta 0), at every attention layer;
+    - with sequence parallelism, the all-gathered input of Megatron's own tensor-parallel
+      linears (tensor_parallel/layers.py ``LinearWithGradAccumulationAndAsyncCommunication``,
+      forward and the weight gradient's re-gather: [s, b, h]), the local spec's
+      column-parallel projections and the output layer.
+
+    So it holds the larger of the two, from the first attention on. Megatron's core attention
+    runs without context parallelism (its ``__init__`` asserts ``context_parallel_size == 1``).
+    Traced: megatron-core's local-spec GPTModel (tests/traced/test_megatron_model.py),
+    1,048,576 B at b 2, 8 heads, s 128, fp32."""
+    if not wl.attention_global_buffer or num_layers <= 0:
+        return 0
+    b, s = wl.micro_batch_size, wl.seq_len
+    scores = b * (spec.num_attention_heads // par.tp) * s * s
+    gathered = s * b * spec.hidden_size if par.sequence_parallel and par.tp > 1 else 0
+    return max(scores, gathered) * wl.compute_dtype.itemsize
 
 
 def max_positions_rope_bytes(spec: ModelSpec) -> int:

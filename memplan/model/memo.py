@@ -79,14 +79,17 @@ def _one(wl: Workload) -> Workload:
 def _without(wl: Workload, recompute: bool) -> Workload:
     """``wl`` with its batch sizes (and the recompute policy) at fixed values, and without an
     op-level save list (the layer kinds and states read none of it: the per-kind terms do,
-    ``_per_kind``): the cache key of what does not depend on them."""
+    ``_per_kind``): the cache key of what does not depend on them. Megatron's global
+    buffer (``Workload.attention_global_buffer``), kept with the states' buffers, follows the
+    micro-batch: its size is kept there."""
+    mbs = wl.micro_batch_size if wl.attention_global_buffer else 1
     # DeepSpeed's ZeRO-3 coordinator replays the module trace, which a checkpoint's
     # recomputation changes (memplan.model.deepspeed_coordinator): its states keep the policy
     if recompute and not (wl.framework == "deepspeed" and wl.recompute is Recompute.FULL):
-        return canonical(wl, micro_batch_size=1, global_batch_size=None,
+        return canonical(wl, micro_batch_size=mbs, global_batch_size=None,
                          recompute=Recompute.NONE, recompute_layers=None,
                          recompute_every=None, recompute_save=())
-    return canonical(wl, micro_batch_size=1, global_batch_size=None, recompute_save=())
+    return canonical(wl, micro_batch_size=mbs, global_batch_size=None, recompute_save=())
 
 
 def stage_parts(spec: ModelSpec, par: ParallelConfig,

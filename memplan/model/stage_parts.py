@@ -16,7 +16,8 @@ from typing import NamedTuple
 from memplan.model import step_in_backward
 from memplan.model.adapters import adapter_bytes, adapter_policy
 from memplan.model import linear, moe_titan, te_fp8
-from memplan.model.attention import attention_linears, rope_buffer_bytes, windowed
+from memplan.model.attention import (attention_linears, global_buffer_bytes, rope_buffer_bytes,
+                                     windowed)
 from memplan.model.dims import Dims, exact_ratio
 from memplan.model.falcon_h1 import mup_buffer_bytes
 from memplan.model.fsdp1 import flat_units, fsdp1_buffers
@@ -305,6 +306,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     buckets = ((st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0)
                + (shard.bucket_bytes if shard.bucket_resident else 0) + shard.resident_bytes)
     buffers = (rope_buffer_bytes(spec, wl, len(layers)) + te_kept
+               + global_buffer_bytes(spec, par, wl, len(layers))
                + mup_buffer_bytes(spec, wl, len(layers))
                + moe_titan.buffer_bytes(spec, wl, layers))
     persistent = (ddp and par.grad_buffers is GradBuffers.VIEW

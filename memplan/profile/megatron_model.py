@@ -316,8 +316,10 @@ def build_megatron(case: FrameworkCase) -> Built:
             config.finalize_model_grads_func = finalize_model_grads
         optimizer.step()
 
+    # the local spec's core attention: Megatron's DotProductAttention (--transformer-impl local)
     workload = dict(framework="megatron", micro_batch_size=b, seq_len=s, precision=case.recipe,
-                    recompute=case.options.get("recompute", "none"), attention="eager")
+                    recompute=case.options.get("recompute", "none"), attention="eager",
+                    attention_global_buffer=True)
     layout = api.make_layout(1, zero=1) if dist_opt else api.make_layout(1)
 
     @contextlib.contextmanager

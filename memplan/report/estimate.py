@@ -263,9 +263,7 @@ def estimate_parts(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
         ("loss logits (transient)", "loss_bytes"),
         ("ZeRO / DDP gradient and gather buffers", "sharding_buffers_bytes"),
         ("optimizer step temporaries", "optimizer_temp_bytes"),
-        *([("registered buffers (RoPE tables)" if est.workload.te_fp8.value == "none" else
-            "kept buffers (RoPE tables, TE fp8 weights)", "buffers_bytes")]
-          if worst.buffers_bytes else []),
+        *([(_buffers_label(est.workload), "buffers_bytes")] if worst.buffers_bytes else []),
         *([("pipeline receive buffers (torch's PipelineStage)", "pipeline_buffers_bytes")]
           if worst.pipeline_buffers_bytes else []),
         ("tensor peak", "tensor_peak_bytes"),
@@ -378,3 +376,12 @@ def check_fits(est: Estimate, *, safety: float) -> Estimate:
     if est.peak_bytes <= budget:
         return est
     raise MemplanError(does_not_fit(est, budget, safety))
+
+
+def _buffers_label(wl) -> str:
+    """The buffers line's label: what the workload keeps beside the RoPE tables."""
+    kept = [name for on, name in ((wl.te_fp8.value != "none", "TE fp8 weights"),
+                                  (wl.attention_global_buffer, "Megatron's global buffer"))
+            if on]
+    return ("registered buffers (RoPE tables)" if not kept
+            else f"kept buffers (RoPE tables, {', '.join(kept)})")
