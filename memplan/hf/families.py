@@ -319,11 +319,13 @@ def olmo2(cfg: ConfigKeys) -> dict[str, Any]:
     before them (Olmo2DecoderLayer.forward), q and k normalised over the whole projection
     (Olmo2Attention.q_norm of heads * head_dim, k_norm of kv_heads * head_dim), the weight
     multiplying the fp32 normalised tensor (Olmo2RMSNorm.forward), RoPE casting q and k back
-    to their dtype (apply_rotary_pos_emb), attention_bias on q, k, v and o."""
+    to their dtype (apply_rotary_pos_emb), attention_bias on q, k, v and o. Its rotary
+    embedding returns cos and sin in fp32 (Olmo2RotaryEmbedding.forward: no cast to x's dtype,
+    where Llama's casts them): ``rope_tables_fp32``."""
     fields = llama_fields(cfg, head_dim_default=None, tie_default=False,
                           defaults={"vocab_size": 50304, "max_position_embeddings": 2048})
     fields.update(qk_norm="full", norm_placement="post", norm_scale_fp32=True,
-                  rope_keeps_dtype=True)
+                  rope_keeps_dtype=True, rope_tables_fp32=True)
     return fields
 
 
@@ -346,8 +348,10 @@ def olmo3(cfg: ConfigKeys) -> dict[str, Any]:
     fp32 scaling, apply_rotary_pos_emb's cast back) with a sliding window per layer_types
     (Olmo3Attention.sliding_window), which Olmo3Config fills with every fourth layer full and
     the others sliding (sliding_window default 4096). One rotary embedding for all layers
-    (Olmo3Model.rotary_emb)."""
+    (Olmo3Model.rotary_emb), whose tables are cast to the hidden states' dtype
+    (Olmo3RotaryEmbedding.forward: cos.to(dtype=x.dtype)), unlike OLMo 2's."""
     fields = olmo2(cfg)
+    fields["rope_tables_fp32"] = False
     num_layers = fields["num_layers"]
     window = _window(cfg) if "sliding_window" in cfg.data else 4096
     default = [SLIDING if (i + 1) % 4 else FULL for i in range(num_layers)]

@@ -111,6 +111,7 @@ HELD_HF = dict(num_hidden_layers=3, hidden_size=512, intermediate_size=1792,
                num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=1024,
                pad_token_id=None)
 HELD_FFN4 = dict(intermediate_size=2048, num_key_value_heads=4)  # Gemma's MLP ratio, 2:1 GQA
+HELD_MHA = dict(num_key_value_heads=8)  # OLMo 2 7B's: every head its own K/V
 HELD_TITAN = dict(dim=512, n_layers=3, n_heads=8, n_kv_heads=2, vocab_size=1024)
 ONE_LAYER_DEBUG = dict(TITAN_DEBUG, n_layers=1, vocab_size=256)
 ONE_LAYER_TOY = dict(TITAN_TOY, n_layers=1, vocab_size=256)
@@ -137,6 +138,10 @@ BELOW_THRESHOLD_GEMMA3 = Known(
     _LPMF + " by 744,958 B in the first step's backward (the checkpoint around the compiled "
     "layer: its rerun and the layer's backward), 0.74% in the steady one's",
     {"first_step.backward_bytes": (744_958, 1.449)})
+BELOW_THRESHOLD_OLMO2 = Known(
+    ("first_step.backward_bytes",),
+    _LPMF + " by 929,536 B in the first step's backward (OLMo 2 inside its checkpoint), "
+    "0.93% in the steady one's", {"first_step.backward_bytes": (929_536, 1.8506)})
 BELOW_THRESHOLD_ONE_GEMMA2 = Known(
     ("first_step.backward_bytes", "steady.backward_bytes"),
     _LPMF + " by 210,302 B: one Gemma 2 layer inside its checkpoint, its backward nearly all "
@@ -576,13 +581,18 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    options={"compile": True}), BELOW_THRESHOLD_QWEN3),
     (FrameworkCase("transformers", "Mistral-7B-v0.1", hf("Mistral-7B-v0.1", **HELD_HF),
                    "amp-bf16", 1, 384, options={"compile": True}), None),
-    # sandwich norms with the checkpoint around each compiled layer (OLMo 2's post norms
-    # refused there: its saved activations traced 1.9% under at 1 x 256, not located)
-    *[(FrameworkCase("transformers", name, hf(name, **HELD_HF | HELD_FFN4), "bf16-pure", b, s,
+    # norms after the mixers with the checkpoint around each compiled layer: sandwich norms
+    # (Gemma 2, Gemma 3) and OLMo 2's post norms, whose fp32 RoPE tables the checkpoint keeps
+    # (Olmo2RotaryEmbedding.forward casts nothing; before spec.rope_tables_fp32, its saved
+    # activations 1.9% under at 1 x 256)
+    *[(FrameworkCase("transformers", name, hf(name, **HELD_HF | extra), "bf16-pure", b, s,
                      options={"compile": True, "recompute": "full"}), known)
-      for name, b, s, known in (("gemma-2-9b", 2, 384, None), ("gemma-2-9b", 1, 256, None),
-                                ("gemma-3-12b-pt", 2, 384, None),
-                                ("gemma-3-12b-pt", 1, 256, BELOW_THRESHOLD_GEMMA3))],
+      for name, extra, b, s, known in (
+          ("gemma-2-9b", HELD_FFN4, 2, 384, None), ("gemma-2-9b", HELD_FFN4, 1, 256, None),
+          ("gemma-3-12b-pt", HELD_FFN4, 2, 384, None),
+          ("gemma-3-12b-pt", HELD_FFN4, 1, 256, BELOW_THRESHOLD_GEMMA3),
+          ("OLMo-2-1124-7B", HELD_MHA, 2, 384, None),
+          ("OLMo-2-1124-7B", HELD_MHA, 1, 256, BELOW_THRESHOLD_OLMO2))],
     (FrameworkCase("transformers", "gemma-2-9b",
                    hf("gemma-2-9b", **HELD_HF | HELD_FFN4),
                    "amp-bf16", 2, 256, options={"compile": True}), None),

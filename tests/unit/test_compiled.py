@@ -168,8 +168,6 @@ def test_compiled_lora_layer_terms() -> None:
      "precision amp-fp16 and the activation checkpoint around"),
     ("lfm2-1.2b", {"precision": "amp-bf16"}, "precision amp-bf16 and q/k norms other than"),
     ("olmo-2-7b", {"precision": "amp-bf16"}, "post norms and precision amp-bf16"),
-    ("olmo-2-7b", {"recompute": "full", "compile_in_checkpoint": True},
-     r"post norms \(not sandwich norms\) and the activation checkpoint around"),
     ("command-r7b", {"precision": "amp-bf16"}, r"layers without RoPE \(NoPE\)"),
     ("phi-3-mini-4k", {"precision": "amp-bf16", "recompute": "selective",
                        "selective_impl": "op", "seq_len": 1024},

@@ -229,6 +229,8 @@ def test_new_family_specifics() -> None:
     assert phi3.is_sliding_layer(0) and phi3.is_sliding_layer(31)
     olmo2 = read("OLMo-2-1124-7B")
     assert olmo2.norm_placement.value == "post" and olmo2.qk_norm.value == "full"
+    # Olmo2RotaryEmbedding.forward returns fp32 tables; Olmo3RotaryEmbedding casts them
+    assert olmo2.rope_tables_fp32 and not read("Olmo-3-1025-7B").rope_tables_fp32
     dsv3 = read("DeepSeek-V3")
     assert dsv3.mla is not None and dsv3.mla.q_lora_rank == 1536 and dsv3.head_dim == 192
     assert dsv3.moe is not None and dsv3.num_moe_layers == 58
@@ -635,3 +637,15 @@ def test_fp32_softmax_on_bf16_scores_copies_them_first() -> None:
     c = eager.core(spec, dm, wl.softmax_fp32)
     assert (c.scores, c.masked, c.sm) == (33_554_432, 33_554_432, 67_108_864)
     assert eager.forward_checkpointed(c) == 169_869_312
+
+
+def test_olmo2_rope_tables_in_fp32() -> None:
+    """OLMo 2 7B in bf16 (heads of 128) at 1 x 4,096 tokens, recompute full: the cos and sin
+    tables the checkpointed layers keep are fp32, 2 x 4,096 x 128 x 4 B = 4,194,304 B
+    (Llama's, cast to bf16, would be half)."""
+    from memplan import api
+
+    spec = spec_from_hf_config(HF / "OLMo-2-1124-7B" / "config.json")
+    est = api.estimate(spec, seq_len=4096, precision="bf16-pure", recompute="full")
+    terms = {t.name: t.size_bytes for t in est.stages[0].activation_terms}
+    assert terms["rope.cos_sin"] == 4_194_304
