@@ -646,6 +646,9 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
     if policy is Recompute.FULL and not moe:  # Inductor's choice of order, by its estimates
         moments = compiled_order.with_full_ac_order(
             moments, spec, wl, dm, grad_group_params(spec, dm.tp, 1, False, variant))
+    if not moe:  # below the MLP's weight-gradient threshold: lpmf's order, where surely kept
+        moments = compiled_order.with_mlp_grads_last(
+            moments, spec, wl, dm, grad_group_params(spec, dm.tp, 1, False, variant))
     forward = forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant,
                               saved=saved)
     return LayerKind(terms, total(terms), tuple(moments),
