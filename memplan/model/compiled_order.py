@@ -223,6 +223,12 @@ def mlp_grads_last(spec: ModelSpec, dm: Dims) -> tuple[str, int, int, tuple[str,
     return (MLP_GRADS_LAST, 3 * th + tf, th, _ALL_GROUPS)
 
 
+# the gradient groups of the layers ``with_mlp_grads_last`` was traced on (pre-norm, post-norm
+# and sandwich layers: ``layer.grad_group_params``)
+_TRACED_GROUPS = frozenset({"attn_norm", "attn_input", "attn_out", "attn", "attn_post_norm",
+                            "mlp_norm", "mlp_input", "mlp_out", "mlp", "mlp_post_norm"})
+
+
 def with_mlp_grads_last(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Workload,
                         dm: Dims, groups: Mapping[str, int]) -> list[LayerMoment]:
     """A dense layer's compiled backward in lpmf's order below the MLP's weight-gradient
@@ -244,15 +250,20 @@ def with_mlp_grads_last(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Wor
     Traced (benchmarks/compiled_backward.py, the GPU realization rules) where it applies, in
     bf16 without recompute: transformers' Llama at 2 x 64, torchtitan's block (separate
     q/k/v) at 2 x 64 and at dim 512, 1 x 256, Mistral's and Qwen3's layers at h 512, 1 x 256:
-    exact (+1.6% to +5.6% before); OLMo 2's and Gemma 2's at 2 x 64: -896 B (-0.05%; +3.6%
-    and +3.2% before). Not taken under autocast (its end moment is not the peak: -8.7%),
-    with float8 linears, a fused q/k/v projection (torchtitan's, whose lpmf order
-    ``with_lpmf_order`` follows), adapters, tp or cp > 1, or fp32."""
+    exact (+1.6% to +5.6% before); OLMo 2's and Gemma 2's at 2 x 64: exact (+3.6% and +3.2%
+    before). Only for the layers traced: attention (no MLA) and a gated MLP, each with its
+    norms (``_TRACED_GROUPS``), not a parallel block. Not taken under autocast (its end
+    moment is not the peak: -8.7%), with float8 linears, a fused q/k/v projection
+    (torchtitan's, whose lpmf order ``with_lpmf_order`` follows), adapters, tp or cp > 1, or
+    fp32."""
     # (cp 1: the rank's sequence is the whole one its queries attend to)
     if not (wl.compile and not dm.autocast and dm.e == 2 and dm.tp == 1 and dm.s == dm.s_kv
             and dm.float8 is Float8Recipe.NONE and dm.te_fp8.value == "none"
             and not (spec.fused_qkv or wl.fused_qkv) and dm.adapters is None
-            and "mlp" in groups and "mlp_out" in groups and lpmf_defers_mlp_grads(spec, dm)):
+            and spec.mla is None and not spec.parallel_block
+            and spec.mlp.value in ("swiglu", "geglu") and set(groups) <= _TRACED_GROUPS
+            and {"attn", "mlp", "mlp_out"} <= set(groups)
+            and lpmf_defers_mlp_grads(spec, dm)):
         return list(moments)
     th = dm.rows * spec.hidden_size * dm.e
     tf = dm.tokens * spec.ffn_hidden_size * dm.e
