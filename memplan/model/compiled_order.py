@@ -275,7 +275,8 @@ def with_mlp_grads_last(moments: Sequence[LayerMoment], spec: ModelSpec, wl: Wor
             held.append((None, size - e * groups["mlp"] + 3 * tf + th))
         elif "mlp_out" in m.grads_before:
             rest = tuple(g for g in m.grads_before if g != "mlp_out")
-            held.append((m._replace(alive_bytes=m.alive_bytes + tf, grads_before=rest),
+            held.append((m._replace(alive_bytes=m.alive_bytes + tf, grads_before=rest,
+                                    fresh_params=0, hook_freed=0),
                          size - e * groups["mlp_out"] + tf))
         else:
             held.append((m, size))
