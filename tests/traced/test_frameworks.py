@@ -121,42 +121,40 @@ _LPMF = ("below the MLP's weight-gradient threshold Inductor's scheduler takes l
          "gradients last; memplan takes that order only where its end is surely the layer's "
          "peak (compiled_order.with_mlp_grads_last), else the baseline's (the estimate's "
          "assumption line, compiled.mlp_grad_threshold_tokens); the step stays over")
-BELOW_THRESHOLD_LLAMA = Known(
-    ("first_step.backward_bytes",),
-    _LPMF + " by 591,616 B in the first step's backward (no optimizer states yet; 730,880 B "
-    "before lpmf's order was taken), 0.65% in the steady one's",
-    {"first_step.backward_bytes": (591_616, 1.3003)})
-BELOW_THRESHOLD_LLAMA_FULL = Known(
-    ("first_step.backward_bytes",),
-    _LPMF + " by 593,664 B in the first step's backward, 0.65% in the steady one's",
-    {"first_step.backward_bytes": (593_664, 1.3048)})
-BELOW_THRESHOLD_QWEN3 = Known(
-    ("first_step.backward_bytes",),
-    _LPMF + " by 591,616 B in the first step's backward (1,068,544 B before), 0.65% in the "
-    "steady one's", {"first_step.backward_bytes": (591_616, 1.3003)})
-BELOW_THRESHOLD_GEMMA3 = Known(
-    ("first_step.backward_bytes",),
-    _LPMF + " by 744,958 B in the first step's backward (the checkpoint around the compiled "
-    "layer: its rerun and the layer's backward), 0.74% in the steady one's",
-    {"first_step.backward_bytes": (744_958, 1.449)})
-BELOW_THRESHOLD_OLMO2 = Known(
-    ("first_step.backward_bytes",),
-    _LPMF + " by 659,200 B in the first step's backward (OLMo 2 inside its checkpoint), "
-    "0.66% in the steady one's", {"first_step.backward_bytes": (659_200, 1.3124)})
-BELOW_THRESHOLD_ONE_GEMMA2 = Known(
-    ("first_step.backward_bytes", "steady.backward_bytes"),
-    _LPMF + " by 140,670 B: one Gemma 2 layer inside its checkpoint, its backward nearly all "
-    "of the step", {"first_step.backward_bytes": (140_670, 3.3751),
-                    "steady.backward_bytes": (140_670, 1.7641)})
-BELOW_THRESHOLD_ONE_OLMO2 = Known(
-    ("first_step.backward_bytes", "steady.backward_bytes"),
-    _LPMF + " by 148,864 B: one OLMo 2 layer inside its checkpoint, its backward nearly all "
-    "of the step", {"first_step.backward_bytes": (148_864, 3.9792),
-                    "steady.backward_bytes": (148_864, 2.0436)})
-BELOW_THRESHOLD_ONE_LAYER = Known(
-    ("first_step.backward_bytes",),
-    _LPMF + " by 66,688 B in the first step's backward",
-    {"first_step.backward_bytes": (66_688, 1.4843)})
+
+
+def _lpmf_known(detail: str, first: tuple[int, float],
+                steady: tuple[int, float] | None = None) -> Known:
+    """A held-out compiled step over by ``_LPMF``'s mechanism: the first step's backward by
+    ``first`` (bytes, % of the trace) and, where past the tolerance, the steady one's."""
+    sizes = {"first_step.backward_bytes": first}
+    if steady is not None:
+        sizes["steady.backward_bytes"] = steady
+    return Known(tuple(sizes), _LPMF + detail, sizes)
+
+
+BELOW_THRESHOLD_LLAMA = _lpmf_known(
+    " by 591,616 B in the first step's backward (no optimizer states yet; 730,880 B before "
+    "lpmf's order was taken), 0.65% in the steady one's", (591_616, 1.3003))
+BELOW_THRESHOLD_LLAMA_FULL = _lpmf_known(
+    " by 593,664 B in the first step's backward, 0.65% in the steady one's", (593_664, 1.3048))
+BELOW_THRESHOLD_QWEN3 = _lpmf_known(
+    " by 591,616 B in the first step's backward (1,068,544 B before), 0.65% in the steady "
+    "one's", (591_616, 1.3003))
+BELOW_THRESHOLD_GEMMA3 = _lpmf_known(
+    " by 744,958 B in the first step's backward (the checkpoint around the compiled layer: its "
+    "rerun and the layer's backward), 0.74% in the steady one's", (744_958, 1.449))
+BELOW_THRESHOLD_OLMO2 = _lpmf_known(
+    " by 659,200 B in the first step's backward (OLMo 2 inside its checkpoint), 0.66% in the "
+    "steady one's", (659_200, 1.3124))
+BELOW_THRESHOLD_ONE_GEMMA2 = _lpmf_known(
+    " by 140,670 B: one Gemma 2 layer inside its checkpoint, its backward nearly all of the "
+    "step", (140_670, 3.3751), (140_670, 1.7641))
+BELOW_THRESHOLD_ONE_OLMO2 = _lpmf_known(
+    " by 148,864 B: one OLMo 2 layer inside its checkpoint, its backward nearly all of the "
+    "step", (148_864, 3.9792), (148_864, 2.0436))
+BELOW_THRESHOLD_ONE_LAYER = _lpmf_known(" by 66,688 B in the first step's backward",
+                                        (66_688, 1.4843))
 LITGPT_TOY = dict(n_layer=2, n_embd=256, n_head=4, intermediate_size=688, vocab_size=1000,
                   padded_vocab_size=1000, block_size=256)
 LITGPT_GQA = dict(LITGPT_TOY, n_head=8, n_query_groups=2)
