@@ -156,3 +156,69 @@ def test_unknown_gpu_raises_with_a_suggestion(name):
 def test_unknown_gpu_without_near_names_still_raises():
     with pytest.raises(MemplanError, match="unknown GPU"):
         load_gpu("definitely-not-a-gpu")
+
+
+def test_one_table_read_gives_the_whole_catalogs_gpu_for_every_name_and_alias():
+    # load_gpu reads one GPU's table where the file keeps its flat form (hardware._sections);
+    # the whole file through tomllib is the reference
+    from memplan.hardware import _sections
+
+    flat = _sections()
+    assert flat is not None  # model_specs/gpus.toml is written in that form
+    tables, index = flat
+    names = {alias: key for key, gpu in gpu_catalog().items() for alias in (key, *gpu.aliases)}
+    assert len(names) == 74 and set(tables) == set(gpu_catalog())
+    for alias, key in names.items():
+        assert index[alias] == key
+        for spelling in (alias, alias.upper(), alias.replace("-", "_")):
+            assert load_gpu(spelling) == gpu_catalog()[key]
+
+
+def _catalog_at(monkeypatch, tmp_path, text):
+    import memplan.hardware as hardware
+
+    (tmp_path / "gpus.toml").write_text(text)
+    monkeypatch.setattr(hardware, "data_dir", lambda: tmp_path)
+    for cached in (hardware.gpu_catalog, hardware._alias_index, hardware._sections,
+                   hardware._one):
+        cached.cache_clear()
+    return hardware
+
+
+ENTRY = """compute_capability = "9.0"
+vendor = "nvidia"
+memory_bytes = 100
+memory_source = "m"
+bf16_flops = 1e15
+hbm_bytes_per_s = 1e12
+intra_node_bytes_per_s = 1e11
+inter_node_bytes_per_s = 1e10
+gpus_per_node = 8
+host_link_bytes_per_s = 1e10
+host_memory_bytes_per_s = 1e11
+host_source = "h"
+source = "s"
+"""
+
+
+@pytest.mark.parametrize("aliases", ['aliases = ["x-one", "x-1"]  # one line',
+                                     '  aliases = [ "x-one","x-1", ]',
+                                     'aliases = ["x-one", "x\\u002d1"]',
+                                     'aliases = [\n  "x-one",\n  "x-1",\n]',
+                                     'aliases = ["x-one", """x-1"""]'])
+def test_a_catalog_in_another_form_is_read_whole(monkeypatch, tmp_path, aliases):
+    # aliases across lines or a multi-line string: not the flat form, so the whole file is
+    # parsed; indented lines and escaped aliases are read in that form; the same GPUs
+    hardware = _catalog_at(monkeypatch, tmp_path,
+                           f"# a catalog\n\n[gpu-a]\n{aliases}\n{ENTRY}\n[gpu-b]\n{ENTRY}")
+    try:
+        assert (hardware._sections() is None) == ("\n" in aliases or '"""' in aliases)
+        assert hardware.load_gpu("X_ONE").name == "gpu-a"
+        assert hardware.load_gpu("x-1").memory_bytes == 100
+        assert hardware.load_gpu("gpu-b").name == "gpu-b"
+        with pytest.raises(MemplanError, match="did you mean 'gpu-b' or 'gpu-a'"):
+            hardware.load_gpu("gpu-c")
+    finally:
+        for cached in (hardware.gpu_catalog, hardware._alias_index, hardware._sections,
+                       hardware._one):
+            cached.cache_clear()
