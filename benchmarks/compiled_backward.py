@@ -225,6 +225,7 @@ def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch:
     """memplan's (forward peak, backward peak) of the layer, each less one stream tensor."""
     from hf_configs import GEMMA2_TOY, LLAMA3_TOY, OLMO2_TOY, hf
 
+    from memplan.model.compiled_order import held_by_lone_layer
     from memplan.model.dims import Dims
     from memplan.model.layer import grad_group_params, layer_kind
     from memplan.parallel import ParallelConfig
@@ -256,9 +257,11 @@ def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch:
     stream = dm.rows * spec.hidden_size * dm.stream_e
     grad_e = dm.stream_e  # the weights' gradients in the parameters' dtype
     # the end moment under autocast counts the incoming gradient in the held output's place
-    # and not the input, freed by then (``compiled.autocast_end_bytes``)
+    # and not the input, freed by then (``compiled.autocast_end_bytes``); lpmf's end as in a
+    # step neither, which this one holds (``compiled_order.held_by_lone_layer``)
     backward = max(m.alive_bytes + m.transient_bytes
                    + grad_e * sum(groups[g] for g in m.grads_before)
+                   + held_by_lone_layer(m, stream)
                    - (0 if m.name == "compiled_end" else stream) for m in kind.moments)
     return kind.forward_peak_bytes - stream, backward
 

@@ -28,6 +28,7 @@ pytest.importorskip("transformers")
 
 from hf_configs import GEMMA2_TOY, LLAMA3_TOY, OLMO2_TOY, hf  # tests/traced/hf_configs.py
 
+from memplan.model.compiled_order import held_by_lone_layer
 from memplan.model.dims import Dims
 from memplan.model.layer import layer_kind
 from memplan.parallel import ParallelConfig
@@ -51,13 +52,17 @@ def _activations(saved, width: int = 256) -> int:
     return sum(t.size_bytes for t in saved if not t.graph_input or t.shape == stream)
 
 
-def _model_backward(kind: Any, groups: dict[str, int], grad_bytes: int, stream: int = 0) -> int:
+def _model_backward(kind: Any, groups: dict[str, int], grad_bytes: int, stream: int = 0,
+                    held: int = 0) -> int:
     """memplan's backward peak of one compiled layer (``kind``): each backward moment's alive
     and transient bytes with the weight gradients made by then (``groups``' elements, of
     ``grad_bytes`` each), less ``stream`` (the incoming gradient the trace does not hold)
-    but at the layer's end."""
+    but at the layer's end; with the layer's input and the incoming gradient (``held``
+    bytes each) that the traced step holds itself where a step has freed them
+    (``compiled_order.held_by_lone_layer``)."""
     return max(m.alive_bytes + m.transient_bytes
                + grad_bytes * sum(groups[g] for g in m.grads_before)
+               + held_by_lone_layer(m, held)
                - (0 if m.name == "compiled_end" else stream) for m in kind.moments)
 
 
@@ -147,7 +152,7 @@ def test_compiled_layer_phase_peaks(dtype: str, precision: str, grad_bytes: int,
     kind = layer_kind(spec, wl, dm, False, Recompute.NONE)
     groups = grad_group_params(spec, 1, 1, False)
     stream = BATCH * SEQ * TOY["hidden_size"] * grad_bytes
-    backward = _model_backward(kind, groups, grad_bytes)
+    backward = _model_backward(kind, groups, grad_bytes, held=stream)
     traced_forward, traced_backward = compiled_layer_peaks(TOY, dtype, BATCH, SEQ,
                                                            gpu_realize=True)
     assert kind.forward_peak_bytes - stream == traced_forward
@@ -968,8 +973,9 @@ def _titan_rebuilt(checkpoint: str, batch: int, seq: int) -> tuple:
     dm = Dims.of(spec, ParallelConfig(), wl)
     kind = layer_kind(spec, wl, dm, False, recompute)
     groups = grad_group_params(spec, 1, 1, False)
-    backward = _model_backward(kind, groups, 2)
-    return spec, wl, dm, kind, backward, batch * seq * 256 * 2
+    stream = batch * seq * 256 * 2
+    backward = _model_backward(kind, groups, 2, held=stream)
+    return spec, wl, dm, kind, backward, stream
 
 
 @pytest.mark.parametrize("checkpoint,traced_backward", [("full", 6_443_008),
