@@ -32,6 +32,10 @@ if settings is not None:
 # (tests/traced/test_monitor_sinks.py) set an offline run under tmp_path.
 os.environ["WANDB_MODE"] = "disabled"
 
+# plan's reserved check replays in the test's own process (no workers forked ahead:
+# memplan.planning.ahead); tests/unit/test_ahead.py runs the workers in a process of its own
+os.environ["MEMPLAN_JOBS"] = "1"
+
 
 # Every ``--json`` output any test produces is checked against the published schema
 # (docs/schema/output.schema.json): the commands' JSON and its documentation cannot drift.

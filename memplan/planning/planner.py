@@ -37,6 +37,7 @@ from memplan.parallel import (
     validate,
     weighted_split,
 )
+from memplan.planning.ahead import Ahead, jobs
 from memplan.planning.batch_sizes import MAX_MBS, divisors, micro_batch_sizes
 from memplan.presets import accumulation_refused
 from memplan.planning.search import Found, Job, Search, _with_mbs, evaluate
@@ -402,6 +403,21 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
     allowed = _expressible(spec, wl, tuple(recompute or RECOMPUTE_ORDER), result.notes)
     policies = [_policies(allowed, _fewest_layers(spec.num_layers, p.pp, p.vpp, p.stage_layers))
                 for p in pars]
+    workers = jobs() if reserved and _AHEAD[0] is None else 1
+    if workers > 1:  # the reserved check's replays made ahead (``memplan.planning.ahead``)
+        _AHEAD[0] = Ahead(_replay_peak, workers)
+    try:
+        return _searched(ctx, pars, policies, top, reserved, result)
+    finally:
+        if workers > 1:
+            _AHEAD[0].close()  # type: ignore[union-attr]
+            _AHEAD[0] = None
+
+
+def _searched(ctx: _Context, pars: list[ParallelConfig],
+              policies: list[list[tuple[Recompute, int | None]]], top: int | None,
+              reserved: bool, result: PlanResult) -> PlanResult:
+    """``plan``'s searches, again while the reserved check is not sure (``_plan_once``)."""
     keep, spent, wanted = 0.0, (0, 0), top
     while True:  # (with ``top`` and ``reserved``: until the reserved check is sure)
         found, again = _plan_once(ctx, pars, policies, top, reserved, keep,
@@ -1097,23 +1113,60 @@ def _reserved_peak(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workl
     ``above``, its stages replayed only up to the first over it: the peak then a lower
     bound). Cached: a configuration replays once per process, whatever plan asks for it;
     without ``above``, the stages a call with it replayed are taken from it
-    (``_stopped``), not replayed again."""
-    from memplan.model.reserved import reserved_rank
-
+    (``_stopped``), not replayed again. Where a worker replayed it ahead
+    (``memplan.planning.ahead``), its figures are taken."""
     key = (spec, gpu, par, wl, capacity)
-    est = estimate(spec, gpu, par, wl, capacity_bytes=capacity)
-    got = reserved_rank(est, above, done=_stopped.pop(key, ()) if above is None else ())
-    if not got.exact:
+    ahead = _AHEAD[0]
+    got = ahead.take((*key, above)) if ahead is not None else None
+    if got is None:
+        got = _replay_peak(*key, above, _stopped.pop(key, ()) if above is None else ())
+    elif above is None:
+        _stopped.pop(key, None)
+    peak, stage, oom, exact, stages = got
+    _SEEN.add((*key, above))
+    if not exact:
         if len(_stopped) >= STOPPED_MAX:
             del _stopped[next(iter(_stopped))]
-        _stopped[key] = got.stages
-    return got.peak_bytes, got.stage, got.oom_step is not None, got.exact
+        _stopped[key] = stages
+    return peak, stage, oom, exact
+
+
+def _replay_peak(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
+                 capacity: int, above: int | None = None, done: tuple = ()
+                 ) -> tuple[int, int, bool, bool, tuple]:
+    """``_reserved_peak``'s figures and, where the replay stopped at a stage over ``above``,
+    the stages it replayed (``done``: the first stages' figures, as an earlier replay of the
+    same configuration gave them). What a worker runs ahead (module level: a forked worker
+    calls it by name)."""
+    from memplan.model.reserved import reserved_rank
+
+    est = estimate(spec, gpu, par, wl, capacity_bytes=capacity)
+    got = reserved_rank(est, above, done=done)
+    return (got.peak_bytes, got.stage, got.oom_step is not None, got.exact,
+            () if got.exact else got.stages)
 
 
 # the stages each ``_reserved_peak`` call with ``above`` that stopped early replayed, per
 # configuration (the same figures as a call without it replays first); the oldest goes first
 STOPPED_MAX = 4096
 _stopped: dict = {}
+# the plan's workers replaying ahead (None: none), and the configurations ``_reserved_peak``
+# has made (not sent ahead again: the cache answers them)
+_AHEAD: list[Ahead | None] = [None]
+_SEEN: set = set()
+
+
+def _ahead(ctx: _Context, heap: list) -> None:
+    """The next candidates of ``_fit_reserved``'s order sent to the workers, if any, so
+    that their replays are made while the check reads the one before."""
+    ahead = _AHEAD[0]
+    if ahead is None:
+        return
+    import heapq
+
+    keys = [(*_replayed(ctx, c), ctx.budget)
+            for *_, c in heapq.nsmallest(2 * ahead.workers, heap)]
+    ahead.submit([k for k in keys if k not in _SEEN])
 
 
 def _fit_reserved(ctx: _Context, ranked: list[Candidate], top: int | None,
@@ -1135,6 +1188,7 @@ def _fit_reserved(ctx: _Context, ranked: list[Candidate], top: int | None,
     retried: dict = {}  # op-level: (layout, micro-batch) -> (margin, save sets tried)
     count = len(heap)
     while heap and (top is None or len(out) < top):
+        _ahead(ctx, heap)
         t, _, _, c = heapq.heappop(heap)
         if taken is not None:
             taken.append(t)
