@@ -1156,6 +1156,14 @@ _AHEAD: list[Ahead | None] = [None]
 _SEEN: set = set()
 
 
+def _miss_ahead(ctx: _Context, misses: list[Candidate]) -> None:
+    """``_reserved_miss``'s next configurations (whole replays) sent to the workers, if any."""
+    ahead = _AHEAD[0]
+    if ahead is not None:
+        keys = [(*_replayed(ctx, c), None) for c in misses[:2 * ahead.workers]]
+        ahead.submit([k for k in keys if k not in _SEEN])
+
+
 def _ahead(ctx: _Context, heap: list) -> None:
     """The next candidates of ``_fit_reserved``'s order sent to the workers, if any, so
     that their replays are made while the check reads the one before."""
@@ -1268,9 +1276,12 @@ def _reserved_miss(ctx: _Context, misses: list[tuple[int, int, Candidate]],
     so exact peaks are replayed in order of the bound until no bound can beat the best (the
     search's closest miss, when closer, stays)."""
     best = result.closest_miss
-    for bound, _, c in sorted(misses, key=lambda m: m[:2]):
+    ordered = sorted(misses, key=lambda m: m[:2])
+    for at, (bound, _, c) in enumerate(ordered):
         if best is not None and bound >= best.peak_bytes:
             break
+        _miss_ahead(ctx, [m[2] for m in ordered[at:]
+                          if best is None or m[0] < best.peak_bytes])
         before = _reserved_peak.cache_info().misses
         peak, stage, _, _ = _reserved_peak(*_replayed(ctx, c))
         result.replayed += _reserved_peak.cache_info().misses - before
