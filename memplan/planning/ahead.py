@@ -48,6 +48,10 @@ def jobs() -> int:
                      if hasattr(os, "sched_getaffinity") else 1)
     if wanted <= 1 or not sys.platform.startswith("linux") or threading.active_count() > 1:
         return 1
+    import multiprocessing
+
+    if multiprocessing.current_process().daemon:  # (a pool's worker may have no children)
+        return 1
     return wanted
 
 
@@ -73,7 +77,11 @@ class Ahead:
             if self._pool is None:
                 import multiprocessing
 
-                self._pool = multiprocessing.get_context("fork").Pool(self.workers)
+                try:
+                    self._pool = multiprocessing.get_context("fork").Pool(self.workers)
+                except OSError:  # no process could be started (a limit): none ahead
+                    self.workers = 1
+                    return
             self._pending[key] = self._pool.apply_async(self.run, key)
 
     def take(self, key: tuple) -> Any | None:

@@ -94,3 +94,29 @@ def test_plans_with_workers_ahead_are_the_plans_without() -> None:
     for kwargs, (same, taken) in zip(CASES, results):
         assert same, kwargs
         assert taken > 0, kwargs  # the workers made replays the check read
+
+
+def test_no_workers_inside_a_pool_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a daemonic process (a multiprocessing pool's worker) may start no process of its own
+    import multiprocessing
+
+    monkeypatch.setenv("MEMPLAN_JOBS", "4")
+    monkeypatch.setattr(ahead.threading, "active_count", lambda: 1)
+    monkeypatch.setattr(ahead.sys, "platform", "linux")
+    monkeypatch.setattr(multiprocessing.current_process(), "daemon", True, raising=False)
+    assert ahead.jobs() == 1
+
+
+def test_no_process_to_start_means_none_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    # where the system refuses a process (a limit), the plan replays in its own process
+    import multiprocessing
+
+    class Refused:
+        def Pool(self, workers):  # noqa: N802 (multiprocessing's name)
+            raise OSError("Resource temporarily unavailable")
+
+    monkeypatch.setattr(multiprocessing, "get_context", lambda method: Refused())
+    got = ahead.Ahead(lambda *key: key, 4)
+    got.submit([(1,), (2,)])
+    assert got.workers == 1 and got.take((1,)) is None
+    got.close()
