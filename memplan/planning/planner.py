@@ -1123,6 +1123,8 @@ def _reserved_peak(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workl
     elif above is None:
         _stopped.pop(key, None)
     peak, stage, oom, exact, stages = got
+    if len(_SEEN) >= 4 * STOPPED_MAX:  # (a long-lived process: the cache has let most go)
+        _SEEN.clear()
     _SEEN.add((*key, above))
     if not exact:
         if len(_stopped) >= STOPPED_MAX:
@@ -1151,7 +1153,8 @@ def _replay_peak(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workloa
 STOPPED_MAX = 4096
 _stopped: dict = {}
 # the plan's workers replaying ahead (None: none), and the configurations ``_reserved_peak``
-# has made (not sent ahead again: the cache answers them)
+# has made (not sent ahead again: the cache answers them; one sent all the same is never
+# read, and only takes a worker's turn)
 _AHEAD: list[Ahead | None] = [None]
 _SEEN: set = set()
 
