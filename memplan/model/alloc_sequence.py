@@ -585,15 +585,16 @@ class StageReplay(NamedTuple):
 
 
 def _replay_caps(s: StageInputs, cfg: AllocatorConfig, caps: tuple[int, ...] | None,
-                 limit: tuple[int, int] | None = None
+                 limit: tuple[int, int] | None = None, built: Builder | None = None
                  ) -> tuple[tuple[int, ...], int, int, int | None, int]:
     """(reserved at setup's and each step's end, the sequence's tensor peak, its events, the
-    step whose allocation failed, the reserved peak); ``limit``: ``replay_stage``'s. Built
-    and replayed with the cyclic garbage collector paused (``collector_paused``: a sequence
-    and its replay make tens of thousands of events and blocks that all live until the
-    replay ends; the allocator's linked blocks are collected at the first collection after)."""
+    step whose allocation failed, the reserved peak); ``limit``: ``replay_stage``'s;
+    ``built``: the sequence, built before (``stage_sequence(s, caps)``). Built and replayed
+    with the cyclic garbage collector paused (``collector_paused``: a sequence and its replay
+    make tens of thousands of events and blocks that all live until the replay ends; the
+    allocator's linked blocks are collected at the first collection after)."""
     with collector_paused():
-        b = stage_sequence(s, caps)
+        b = stage_sequence(s, caps) if built is None else built
         if limit is not None:
             cfg = cfg.model_copy(update={"capacity_bytes": limit[1] - (limit[0] - b.peak)})
         res = replay_reserved(b.events, cfg, b.marks)
@@ -616,8 +617,8 @@ MAX_PERIOD = 10  # 20 MiB segments or pages hold up to ten 2 MiB blocks
 
 
 def replay_stage(s: StageInputs, cfg: AllocatorConfig, fold_above: int | None = None,
-                 fold_start: int = FOLD_START, limit: tuple[int, int] | None = None
-                 ) -> StageReplay:
+                 fold_start: int = FOLD_START, limit: tuple[int, int] | None = None,
+                 built: Builder | None = None) -> StageReplay:
     """The stage's sequence through the allocator model, whole; with ``fold_above`` (e.g.
     ``FOLD_ABOVE``) runs longer than that many layers are folded (see ``FOLD_ABOVE``). The
     estimate replays whole: a catalog model's deepest stage (126 layers) replays in about
@@ -626,17 +627,18 @@ def replay_stage(s: StageInputs, cfg: AllocatorConfig, fold_above: int | None = 
     ``limit`` (a tensor peak, a capacity at least that): replayed with cudaMalloc limited to
     the capacity less what the tensor peak holds beyond the sequence's own (``cfg``'s
     capacity replaced; known once the sequence is built, so it is built once). Not with
-    ``fold_above``."""
+    ``fold_above``. ``built``: the whole sequence, built before (``stage_sequence(s)``; a
+    stage replayed under two allocator settings builds it once)."""
     runs = [n for _, _, _, n in s.walk.runs]
     if limit is not None:
-        by, peak, num, oom, top = _replay_caps(s, cfg, None, limit)
+        by, peak, num, oom, top = _replay_caps(s, cfg, None, limit, built)
         return StageReplay(by, top, peak, num, False, oom)
     if fold_above is not None and max(runs, default=0) > fold_above:
         for period in range(1, MAX_PERIOD + 1):
             found = _fold(s, cfg, runs, period, fold_start)
             if found is not None:
                 return found
-    by, peak, num, oom, top = _replay_caps(s, cfg, None)
+    by, peak, num, oom, top = _replay_caps(s, cfg, None, built=built)
     return StageReplay(by, top, peak, num, False, oom)
 
 

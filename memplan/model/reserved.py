@@ -15,11 +15,14 @@ from functools import lru_cache
 from typing import Callable, NamedTuple
 
 from memplan.model.alloc_sequence import (
+    Builder,
     LayerTensors,
     StageInputs,
     first_vs_second,
     replay_stage,
+    stage_sequence,
 )
+from memplan.model.collector import collector_paused
 from memplan.model.allocator import AllocatorConfig, parse_alloc_conf
 from memplan.model.compiled import rerun_dims
 from memplan.model.optimizer import optimizer_policy
@@ -129,13 +132,16 @@ def stage_reserved(inputs: StageInputs, tensor_peak_bytes: int, cfg: AllocatorCo
     # refused it is the unlimited one throughout (what an unlimited replay, then a limited
     # one where its reserved peak passes the capacity, would give)
     limited = capacity_bytes is not None and tensor_peak_bytes <= capacity_bytes
+    # the sequence built once where it is replayed twice
+    again = with_expandable and (limited or not cfg.expandable_segments)
+    built = _built(inputs) if again else None
     r = replay_stage(inputs, cfg, limit=(tensor_peak_bytes, capacity_bytes) if limited
-                     else None)
+                     else None, built=built)
     if not with_expandable:  # the expandable figure is the default one
         e = r
     else:  # without a limit, as reported
-        e = (replay_stage(inputs, expandable(cfg)) if not cfg.expandable_segments
-             else replay_stage(inputs, cfg) if limited else r)
+        e = (replay_stage(inputs, expandable(cfg), built=built) if not cfg.expandable_segments
+             else replay_stage(inputs, cfg, built=built) if limited else r)
     # the steps' reserved bytes on the walk's tensor peak, as the peak is (setup as replayed)
     shift = tensor_peak_bytes - r.tensor_peak_bytes
     if limited and r.oom_step is not None:  # all of the capacity reserved, and not enough
@@ -149,6 +155,13 @@ def stage_reserved(inputs: StageInputs, tensor_peak_bytes: int, cfg: AllocatorCo
                     r.oom_step)
 
 
+
+
+def _built(inputs: StageInputs) -> Builder:
+    """``inputs``' whole allocation sequence (``stage_sequence``), built with the cyclic
+    collector paused as a replay builds it (``collector_paused``)."""
+    with collector_paused():
+        return stage_sequence(inputs)
 
 
 def estimate_reserved(est, alloc_conf: str = "", limited: bool = True,
