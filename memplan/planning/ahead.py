@@ -65,36 +65,56 @@ class Ahead:
         self._pending: dict[Hashable, Any] = {}
 
     def submit(self, keys: list[tuple]) -> None:
-        """Start replaying ``keys`` (``run``'s arguments) not already under way, up to as
-        many at a time as there are workers."""
+        """Start replaying ``keys`` (``run``'s arguments) not already under way, while fewer
+        than twice as many as there are workers are unfinished."""
         if self.workers <= 1:
             return
         for key in keys:
-            if sum(not r.ready() for r in self._pending.values()) >= 2 * self.workers:
+            if sum(not f.done() for f in self._pending.values()) >= 2 * self.workers:
                 break
             if key in self._pending:
                 continue
             if self._pool is None:
                 import multiprocessing
+                from concurrent.futures import ProcessPoolExecutor
 
                 try:
-                    self._pool = multiprocessing.get_context("fork").Pool(self.workers)
+                    self._pool = ProcessPoolExecutor(
+                        self.workers, mp_context=multiprocessing.get_context("fork"))
+                    self._pending[key] = self._pool.submit(self.run, *key)
                 except OSError:  # no process could be started (a limit): none ahead
-                    self.workers = 1
+                    self._stop()
                     return
-            self._pending[key] = self._pool.apply_async(self.run, key)
+                continue
+            self._pending[key] = self._pool.submit(self.run, *key)
 
     def take(self, key: tuple) -> Any | None:
-        """``run(*key)`` as a worker made it, or None where none was started (the caller
-        replays it itself); an error in the worker is raised here, as the caller's own
-        replay would have raised it."""
+        """``run(*key)`` as a worker made it, or None where none was started or the worker
+        is gone (the caller replays it itself: a worker the system stopped, out of memory,
+        takes the others with it, and none is started again); an error in the replay is
+        raised here, as the caller's own replay would have raised it."""
+        from concurrent.futures.process import BrokenProcessPool
+
         got = self._pending.pop(key, None)
-        return None if got is None else got.get()
+        if got is None:
+            return None
+        try:
+            return got.result()
+        except BrokenProcessPool:
+            self._stop()
+            return None
+
+    def _stop(self) -> None:
+        self.close()
+        self.workers = 1
 
     def close(self) -> None:
         """The workers stopped, whatever they were replaying."""
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        pool, self._pool = self._pool, None
         self._pending.clear()
+        if pool is None:
+            return
+        # (``shutdown`` lets a worker finish the replay it is in: they are stopped instead)
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)

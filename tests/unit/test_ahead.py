@@ -71,7 +71,13 @@ _SCRIPT = textwrap.dedent("""
         alone = plan(1, kwargs)
         taken[0] = 0
         out.append([alone == plan(2, kwargs), taken[0]])
-    print(json.dumps(out))
+    # a worker that dies (the system's out-of-memory killer): no answer from it, none ahead
+    # after it, the caller replays itself
+    broken = ahead.Ahead(os._exit, 2)
+    broken.submit([(3,)])
+    gone = broken.take((3,)) is None and broken.workers == 1
+    broken.close()
+    print(json.dumps({"plans": out, "broken": gone}))
 """)
 
 CASES = [
@@ -91,9 +97,10 @@ def test_plans_with_workers_ahead_are_the_plans_without() -> None:
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    for kwargs, (same, taken) in zip(CASES, results):
+    for kwargs, (same, taken) in zip(CASES, results["plans"], strict=True):
         assert same, kwargs
         assert taken > 0, kwargs  # the workers made replays the check read
+    assert results["broken"]
 
 
 def test_no_workers_inside_a_pool_worker(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,13 +116,12 @@ def test_no_workers_inside_a_pool_worker(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_no_process_to_start_means_none_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
     # where the system refuses a process (a limit), the plan replays in its own process
-    import multiprocessing
+    import concurrent.futures
 
-    class Refused:
-        def Pool(self, workers):  # noqa: N802 (multiprocessing's name)
-            raise OSError("Resource temporarily unavailable")
+    def refused(*args, **kwargs):
+        raise OSError("Resource temporarily unavailable")
 
-    monkeypatch.setattr(multiprocessing, "get_context", lambda method: Refused())
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", refused)
     got = ahead.Ahead(lambda *key: key, 4)
     got.submit([(1,), (2,)])
     assert got.workers == 1 and got.take((1,)) is None
