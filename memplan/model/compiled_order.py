@@ -256,9 +256,10 @@ _TRACED_GROUPS = frozenset({"attn_norm", "attn_input", "attn_out", "attn", "attn
 # ``with_mlp_grads_last``, traced (benchmarks/compiled_backward.py, the GPU realization rules)
 # where it applies, in bf16: transformers' Llama at 2 x 64 and 2 x 80, full AC at 2 x 64;
 # torchtitan's block (separate q/k/v) at 2 x 64 and at dim 512, 1 x 256, both also under full
-# AC; Mistral's and Qwen3's layers at h 512, 1 x 256, none and full; OLMo 2's and Gemma 2's at
-# 2 x 64, none and full: exact (+1.6% to +9.1% before, in the baseline's order where an earlier
-# rule asked the end to exceed every moment by 2 T f). At 2 x 96, Llama's, Inductor's
+# AC and under per-op SAC (the kept outputs freed by its end); Mistral's and Qwen3's layers at
+# h 512, 1 x 256, none and full; OLMo 2's and Gemma 2's at 2 x 64, none and full: exact (+1.6%
+# to +9.1% before, in the baseline's order where an earlier rule asked the end to exceed every
+# moment by 2 T f, and per-op SAC's not at all). At 2 x 96, Llama's, Inductor's
 # estimates (``reorder_for_peak_memory``'s) put lpmf's at the baseline's, 2,727,424 B (its peak
 # at the fused kernel beside the down projection's gradient), and take dfs's order, 2,612,736:
 # memplan's lpmf order is over that trace by 1.56% (the baseline's by 4.91%). Whole steps

@@ -698,6 +698,9 @@ def _op_sac_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
     if in_graph:  # tensorwise float8 in torchtitan's block: lpmf's order
         moments = compiled_order.with_float8_sac_lpmf(
             moments, spec, wl, dm, linears, kept, total(full.terms) + total(kept))
+    if not moe:  # below the MLP's weight-gradient threshold, as without the kept outputs
+        moments = compiled_order.with_mlp_grads_last(
+            moments, spec, wl, dm, grad_group_params(spec, dm.tp, 1, False, variant))
     return full._replace(terms=full.terms + kept,
                          saved_bytes=full.saved_bytes + total(kept),
                          forward_peak_bytes=full.forward_peak_bytes + total(kept) - late,
