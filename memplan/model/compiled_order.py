@@ -234,7 +234,10 @@ def in_step(end: LayerMoment, spec: ModelSpec, dm: Dims) -> LayerMoment:
     Qwen3 steps at h 512, 1 x 256 (three layers, vocabulary 1,024, tests/traced/
     test_frameworks.py): +591,616 B (+1.30%) in backward with them, +67,328 (+0.15%)
     without; OLMo 2 inside its checkpoint +659,200 B, then +134,912; one Gemma 2 / OLMo 2
-    layer inside its checkpoint at 2 x 64 +3.4% / +4.0%, then +0.23% / +0.48%."""
+    layer inside its checkpoint at 2 x 64 +3.4% / +4.0%, then +0.23% / +0.48%. torchtitan's
+    fused-q/k/v block in bf16 (``with_lpmf_order``) ends the same way, by the same
+    mechanism; no whole step of it below the threshold is traced (the held-out torchtitan
+    steps there have separate q/k/v or float8 linears)."""
     th = dm.rows * spec.hidden_size * dm.e
     return end._replace(alive_bytes=end.alive_bytes - th,
                         transient_bytes=end.transient_bytes - th)

@@ -1123,7 +1123,7 @@ def _reserved_peak(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workl
     elif above is None:
         _stopped.pop(key, None)
     peak, stage, oom, exact, stages = got
-    if len(_SEEN) >= 4 * STOPPED_MAX:  # (a long-lived process: the cache has let most go)
+    if len(_SEEN) >= SEEN_MAX:
         _SEEN.clear()
     _SEEN.add((*key, above))
     if not exact:
@@ -1157,6 +1157,9 @@ _stopped: dict = {}
 # read, and only takes a worker's turn)
 _AHEAD: list[Ahead | None] = [None]
 _SEEN: set = set()
+# cleared past this many (a long-lived process): four times what ``_reserved_peak``'s cache
+# (4,096 entries) keeps, so most of those it has let go
+SEEN_MAX = 4 * 4096
 
 
 def _miss_ahead(ctx: _Context, misses: list[Candidate]) -> None:
