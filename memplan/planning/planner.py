@@ -9,11 +9,12 @@ step-time model, and ranks them. Every rejected layout keeps its reason.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
+from typing import Any
 
-import numpy as np
 
 from memplan.errors import LayoutError, MemplanError
 from memplan.hardware import GpuSpec
@@ -49,6 +50,7 @@ from memplan.planning.timing import (
     stage_balance,
     step_flops,
     step_times,
+    step_times_rows,
 )
 from memplan.spec import ModelSpec
 from memplan.workload import PipelineSplit, Recompute, Workload
@@ -865,7 +867,7 @@ def _search_levels(ctx: _Context, pars: list[ParallelConfig],
     step seconds is searched whatever the ``top``-th. Returned beside the levels: the layouts
     whose policies were skipped, and the least step seconds any skipped policy could take
     (inf: none skipped), below which every candidate of the full search is found."""
-    above, slope = [0] * len(pars), np.zeros(len(pars))
+    above, slope = [0] * len(pars), [0.0] * len(pars)
     sizes = [_sizes(p, ctx.wl, ctx.wl.global_batch_size) for p in pars]
     levels: list[_Level] = []
     fit_times: list[float] = []  # step seconds of every fit so far (with ``top``)
@@ -917,7 +919,7 @@ def _search_levels(ctx: _Context, pars: list[ParallelConfig],
 def _catch_up(ctx: _Context, pars: list[ParallelConfig],
               policies: list[list[tuple[Recompute, int | None]]], index: list[int],
               skipped: dict[int, list[int]], sizes: list[tuple[int, ...]], above: list[int],
-              slope: np.ndarray, levels: list[_Level], fit_times: list[float]) -> list[int]:
+              slope: list[float], levels: list[_Level], fit_times: list[float]) -> list[int]:
     """Of layouts ``index``, to be searched at a level, those with cheaper policies skipped
     have these searched first, in order: a level searches above the largest micro-batch the
     cheaper policies fit, and a skipped one's could be larger than what was searched (the
@@ -960,7 +962,7 @@ def _batches(index: list[int], top: int) -> list[list[int]]:
 def _search_one(ctx: _Context, pars: list[ParallelConfig],
                 policies: list[list[tuple[Recompute, int | None]]], level: int,
                 index: list[int], sizes: list[tuple[int, ...]], above: list[int],
-                slope: np.ndarray) -> _Level:
+                slope: list[float]) -> _Level:
     """The search of the ``level``-th policy of layouts ``index``; ``above`` and ``slope``
     updated with what it found."""
     jobs = [Job(pars[i], ctx.workload(policies[i][level]), sizes[i], above[i]) for i in index]
@@ -969,11 +971,11 @@ def _search_one(ctx: _Context, pars: list[ParallelConfig],
     classes = None if level else [(p.tp, p.pp, p.vpp, p.cp, p.ep, p.etp,
                                    p.sequence_parallel, p.stage_layers)
                                   for p in (pars[i] for i in index)]
-    search = Search(ctx.spec, jobs, ctx.budget, ctx.ovh, slopes=slope[index], classes=classes,
-                    known=ctx.known)
+    search = Search(ctx.spec, jobs, ctx.budget, ctx.ovh, slopes=[slope[i] for i in index],
+                    classes=classes, known=ctx.known)
     found = search.run()
     for k, i in enumerate(index):
-        above[i], slope[i] = max(above[i], int(found.mbs[k])), found.slope[k]
+        above[i], slope[i] = max(above[i], found.mbs[k]), found.slope[k]
     return _Level(level, search, found, index)
 
 
@@ -1040,7 +1042,7 @@ def _row_seconds(ctx: _Context, rows: list[tuple[ParallelConfig, tuple[Recompute
     about what timing it does (its layout's and policy's hashes are Python calls), so the
     first search only keeps them, and they are keyed when a search runs again."""
     if not ctx.again:
-        seconds = _row_times(ctx, rows).step_s.tolist()
+        seconds = _floats(_row_times(ctx, rows).step_s)
         ctx.timed.append((rows, seconds))
         return seconds
     done = ctx.step_s
@@ -1049,8 +1051,13 @@ def _row_seconds(ctx: _Context, rows: list[tuple[ParallelConfig, tuple[Recompute
     ctx.timed.clear()
     new = [row for row in dict.fromkeys(rows) if row not in done]
     if new:
-        done.update(zip(new, _row_times(ctx, new).step_s.tolist()))
+        done.update(zip(new, _floats(_row_times(ctx, new).step_s)))
     return [done[row] for row in rows]
+
+
+def _floats(values: Any) -> list[float]:
+    """A ``StepTimes`` field as plain floats (numpy's array or the list of plain numbers)."""
+    return values if isinstance(values, list) else values.tolist()
 
 
 def _row_times(ctx: _Context, rows: list[tuple[ParallelConfig, tuple[Recompute, int | None],
@@ -1068,13 +1075,35 @@ def _row_times(ctx: _Context, rows: list[tuple[ParallelConfig, tuple[Recompute, 
     for policy, par in shares:
         shares[policy, par] = recomputed_share(ctx.workload(policy), ctx.spec.num_layers, par)
     rerun = [shares[r[1], r[0]] for r in rows]
-    cols = Columns.of([r[0] for r in rows], [r[2] for r in rows],
-                      [gbs // (r[2] * r[0].dp) for r in rows], [r[3] for r in rows],
+    m = [gbs // (r[2] * r[0].dp) for r in rows]
+    if not _vectorised(len(rows)):
+        return step_times_rows(ctx.spec, ctx.gpu, ctx.wl, gbs, [
+            Columns.one(r[0], r[2], n, r[3], num_layers=ctx.spec.num_layers,
+                        balance=balance[key], rerun=share)
+            for r, n, key, share in zip(rows, m, keys, rerun)],
+            [flops[key] for key in keys])
+    import numpy as np
+
+    cols = Columns.of([r[0] for r in rows], [r[2] for r in rows], m, [r[3] for r in rows],
                       num_layers=ctx.spec.num_layers, balance=[balance[key] for key in keys],
                       rerun=rerun)
     model = np.array([flops[key][0] for key in keys])
     hardware = np.array([flops[key][1] for key in keys])
     return step_times(ctx.spec, ctx.gpu, ctx.wl, gbs, cols, model, hardware)
+
+
+# Rows timed one by one below this many in one call, unless numpy is imported already: a
+# row takes about 30 us on plain numbers and 6 us in numpy's vectorised pass, whose import
+# costs about 90 ms (2-core AMD EPYC, CPython 3.11, numpy 2; the plans of the catalog's
+# models at 8 GPUs time at most 924 rows in one call and about 2,000 in all, those at 64 and
+# 2,048 GPUs up to 6,898 in one and 31,326 in all). Both give the same floats
+# (tests/unit/test_planner_vector.py), so the choice changes no answer.
+VECTOR_ROWS = 1_500
+
+
+def _vectorised(rows: int) -> bool:
+    """Whether ``rows`` rows are timed in numpy's vectorised pass."""
+    return rows >= VECTOR_ROWS or "numpy" in sys.modules
 
 
 def _ranked(ctx: _Context, fits: list[_Fit]) -> list[Candidate]:

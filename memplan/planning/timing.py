@@ -663,8 +663,9 @@ _BOUNDS = (Bound.COMPUTE, Bound.COMMUNICATION, Bound.BUBBLE)
 
 
 class StepTimes(NamedTuple):
-    """``StepTime`` of many candidates, one array per field (``bound``: index into
-    compute, communication, bubble)."""
+    """``StepTime`` of many candidates, one array per field (``step_times``) or one list of
+    plain numbers (``step_times_rows``); ``bound``: index into compute, communication,
+    bubble."""
 
     model_flops: np.ndarray
     hardware_flops: np.ndarray
@@ -1073,6 +1074,19 @@ def step_times(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int, c
     candidate."""
     return StepTimes(**_step_fields(spec, gpu, wl, global_batch, c, model_flops,
                                     hardware_flops, mfu))
+
+
+def step_times_rows(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
+                    rows: list[Columns], flops: list[tuple[float, float]], *,
+                    mfu: float = DEFAULT_MFU) -> StepTimes:
+    """``step_times`` of candidates given one by one (``Columns.one`` each, with its
+    ``step_flops``): the same floats, a list per field, without numpy."""
+    fields = [_step_fields(spec, gpu, wl, global_batch, c, model, hardware, mfu)
+              for c, (model, hardware) in zip(rows, flops)]
+    kinds = fields[0]["comm_s"] if fields else {}
+    return StepTimes(
+        **{name: [f[name] for f in fields] for name in StepTimes._fields if name != "comm_s"},
+        comm_s={kind: [f["comm_s"][kind] for f in fields] for kind in kinds})
 
 
 def comm_seconds(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
