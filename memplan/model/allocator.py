@@ -989,15 +989,11 @@ def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r
                  ) -> tuple[int, int | None, int]:
     """``_replay_events`` without expandable segments or power-of-two rounding, its common
     steps inline: a free (``free`` and ``_merge_free`` in place), an allocation from the
-    cache (``_take_inline``'s best fit and split) or a new segment (``_take_inline``), a blip
-    that surely makes no segment (``_quiet_inline``); the rest through the allocator's
-    methods. The allocated bytes are not followed (``replay_reserved`` does not read them),
-    and the reserved bytes are read only after a step that can change them (a new segment,
-    a blip that makes one, the uncached path)."""
-    live, at, pools = alloc.live, alloc._at, alloc._free
-    live_pop = live.pop
-    limit, non_split = alloc._limit, alloc._non_split
-    quiet = _quiet_inline
+    cache or a new segment (``_take_inline``), a blip that surely makes no segment
+    (``_quiet_inline``); the rest through the allocator's methods. The allocated bytes are
+    not followed (``replay_reserved`` does not read them)."""
+    live_pop, at = alloc.live.pop, alloc._at
+    take, quiet = _take_inline, _quiet_inline
     for i, ev in enumerate(events[lo:hi], lo):
         kind = type(ev)
         if kind is Free:
@@ -1029,48 +1025,11 @@ def _replay_fast(alloc: CachingAllocator, events: list, lo: int, hi: int, peak_r
             at[entry] = (block, seg)
             insort(pool, entry)
             continue
+        before = alloc.reserved
         if kind is Alloc:
-            key, orig, stream = ev
-            if orig <= 0 or key in live:
-                alloc.malloc(key, orig, stream)  # raises
-            size = (orig + 511) // 512 * 512  # round_size (kMinBlockSize)
-            small = size <= K_SMALL_SIZE
-            pool = pools.get((stream, small))
-            if pool is None:
-                pool = pools.setdefault((stream, small), [])
-            j = bisect_left(pool, size << _SIZE)
-            if j < len(pool):
-                block, seg = at[pool[j]]
-                found = block.size
-                if not (size < limit <= found
-                        or (size >= limit and found >= size + non_split)):
-                    # ``_take_inline``'s best fit from the cache: the reserved bytes stay
-                    del pool[j]
-                    remaining = found - size
-                    if (remaining >= K_MIN_BLOCK_SIZE if small
-                            else size < limit and remaining > K_SMALL_SIZE):
-                        offset, nxt = block.offset, block.next
-                        rest = Block(offset + size, remaining, "free", None, block, nxt)
-                        if nxt is not None:
-                            nxt.prev = rest
-                        block.next = rest
-                        block.size = size
-                        rest.entry = entry = ((remaining << _SIZE) | (seg.order << _ORDER)
-                                              | (offset + size))
-                        at[entry] = (rest, seg)
-                        insort(pool, entry)
-                    block.state = "alloc"
-                    live[key] = (seg, block)
-                    continue
-            # get_free_block finds none: a new segment, else the uncached path
-            before = alloc.reserved
-            if not (_segment_inline(alloc, key, size, stream, small, pool)
-                    or alloc._malloc_uncached(key, size, stream, small)):
+            if not take(alloc, ev):
                 return peak_r, i, before
-        else:
-            if quiet(alloc, ev):
-                continue  # it leaves the allocator as it found it
-            before = alloc.reserved
+        elif not quiet(alloc, ev):
             got, ok = _blip_reserved(alloc, ev)
             for r, _ in got:
                 if r > peak_r:
