@@ -927,7 +927,8 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
         why = f"attention {wl.attention.value}"
     elif wl.precision.policy.autocast and (why := _compile_autocast_refusal(spec, wl)):
         pass
-    elif wl.lora_rank and wl.base_quant.value not in ("none", "nf4-torchao-0.1"):
+    elif wl.lora_rank and wl.base_quant.value not in ("none", "nf4-torchao-0.1",
+                                                      "nf4-torchao"):
         # torchao's NF4Tensor is traced (memplan.model.linear.compiled_dequant_terms);
         # bitsandbytes' Linear4bit / Linear8bitLt under Dynamo are not
         why = f"base_quant {wl.base_quant.value} (bitsandbytes' quantized linears)"
@@ -1066,7 +1067,8 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         # torch.chunk and other ops"); torchtune's sharded QLoRA came with them
         raise LayoutError("base_quant nf4-torchao-0.1 does not combine with zero 3",
                           f"base_quant nf4-torchao-0.1 with zero {int(par.zero)}: torchao "
-                          "0.1's NF4Tensor cannot be sharded (nf4 describes a sharded QLoRA)")
+                          "0.1's NF4Tensor cannot be sharded (nf4-torchao, torchao's since "
+                          "0.3, describes a sharded QLoRA)")
     if (err := fsdp1_rule(spec, par, wl)) is not None:
         raise err
     if spec.moe is not None and wl.moe_impl is MoeImpl.TITAN:

@@ -705,12 +705,20 @@ class BaseQuant(PlainEnum):
           while it pinned ``torchao==0.1``: the same NF4 blocks as bitsandbytes, dequantized
           by plain PyTorch ops in forward and backward, and each weight quantized on the GPU
           at load in one piece (``memplan.model.adapters``); the adapted linears only
+    nf4-torchao
+          torchao's ``NF4Tensor`` as released since 0.3 (``torchao/quantization/quantize_/
+          workflows/nf4/nf4_tensor.py`` of 0.18; torchtune's QLoRA since it left 0.1): the
+          same blocks and dequantization as 0.1, the scales' factors one bf16 element per 256
+          blocks (contiguous since torchao commit 9dbc5542, 0.3), each weight quantized at
+          load 1024**2 weights at a time (since 6081796b, 0.2), and shardable by FSDP2
+          (``fsdp_pre_all_gather``, 0.2); the adapted linears only
     """
 
     NONE = "none"
     NF4 = "nf4"
     INT8 = "int8"
     NF4_TORCHAO_01 = "nf4-torchao-0.1"
+    NF4_TORCHAO = "nf4-torchao"
 
 
 LORA_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # --lora-targets' names

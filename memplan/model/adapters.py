@@ -51,6 +51,28 @@ torchao 0.1's ``NF4Tensor`` (``torchao/dtypes/nf4tensor.py``; torchtune pinned
   factors' expanded bf16 tensor) and the blocks' bf16 absmax: 68 n + 5 n / 64 + 34 bytes while
   the old weight is still held (later torchao quantizes in chunks of 1024**2 weights, torchao
   commit 6081796b, "This can cause a large memory spike").
+
+torchao's ``NF4Tensor`` as released since 0.3, what ``--base-quant nf4-torchao`` counts
+(``torchao/quantization/quantize_/workflows/nf4/nf4_tensor.py`` of torchao 0.18; torchtune's
+QLoRA ran it from mid-2024, e.g. torchao 0.5 and 0.6 with its September and November 2024
+READMEs), traced on CPU with torchao 0.18 (``tests/traced/test_torchao_nf4_current.py``):
+
+- stored (``nf4_torchao_bytes``): as 0.1's, but ``double_quantize_scalers`` returns the
+  factors' first column made contiguous (``quantization_factor.view(n_scaler_blocks)
+  .contiguous()``, torchao commit 9dbc5542, in 0.3; 0.2 still kept 0.1's view): one bf16
+  element per 256 blocks, n / 8192 bytes;
+- dequantized: ``get_original_weight`` and ``LinearNF4`` as 0.1's (``torchao_dequant_bytes``,
+  the same bytes traced);
+- quantized at load (``torchao_copy_pieces``): ``copy_`` of a bf16 tensor into an
+  ``NF4Tensor`` (the ``aten.copy_`` handler, since 0.2, which torchtune's own
+  ``inplace_copy`` defers to from then) moves it to the device and runs ``from_tensor``
+  on it, then copies the new pieces into the old ones in place; ``convert_to_norm_float_weight``
+  takes the nearest code value ``CHUNK_SIZE`` (1024**2) weights at a time into a uint8 buffer
+  of one byte per weight, so at once: the source and its block-scaled copy (bf16), that
+  buffer, one chunk's two (c, 16) bf16 distance tensors, the block absmax (bf16), the int8
+  scales and the factors, the mean and the code: 5 n + 64 c + 3 n / 64 + n / 8192 + 34 bytes;
+- sharded by FSDP2 (since 0.2): ``fsdp_pre_all_gather`` gathers the int8 scales, the factors
+  and the nibbles (``quant_data_bytes``); the mean and the code are every shard's own.
 """
 
 from __future__ import annotations
@@ -79,6 +101,11 @@ NF4_CODE_VALUES = 16
 # torchao 0.1's NF4Tensor takes bf16 weights only (from_tensor asserts it) and keeps its code,
 # scale factors and mean in bf16; get_original_weight indexes the code with int64 indices
 BF16_BYTES = DType.BF16.itemsize
+# torchao's nf4_tensor.py ``CHUNK_SIZE``: the weights ``convert_to_norm_float_weight`` compares
+# with the code at once (since torchao commit 6081796b, in 0.2)
+TORCHAO_NF4_CHUNK = 1024**2
+# torchtune's ``LoRALinear(quantize_base=True)`` holds torchao's ``NF4Tensor``: either release
+TORCHAO_NF4 = (BaseQuant.NF4_TORCHAO_01, BaseQuant.NF4_TORCHAO)
 INDEX_BYTES = DType.INT64.itemsize
 NF4_CODE_BYTES = NF4_CODE_VALUES * FP32_BYTES
 NF4_OFFSET_BYTES = FP32_BYTES
@@ -119,7 +146,7 @@ class Adapters(NamedTuple):
         "Only applied to base weights within linear layers LoRA is applied to")."""
         if self.quant is BaseQuant.NONE:
             return False
-        return self.adapts(lin) if self.quant is BaseQuant.NF4_TORCHAO_01 else True
+        return self.adapts(lin) if self.quant in TORCHAO_NF4 else True
 
     def params(self, lin: Projection, d_in: int, d_out: int) -> int:
         """Elements of ``lin``'s adapters at local widths ``d_in`` x ``d_out``: ``lora_A``
@@ -165,6 +192,37 @@ def nf4_torchao_01_bytes(elements: int) -> int:
     return ceil_div(elements, 2) + blocks + blocks * BF16_BYTES + BF16_BYTES + 16 * BF16_BYTES
 
 
+def nf4_torchao_bytes(elements: int) -> int:
+    """Bytes of one weight of ``elements`` as torchao's ``NF4Tensor`` stores it since 0.3
+    (module docstring): nibbles, int8 block scales, one bf16 factor per 256 blocks, the bf16
+    mean and the 16-entry bf16 code. 1024 x 1024 by hand: 524,288 + 16,384 + 128 + 2 + 32 =
+    540,834."""
+    blocks = ceil_div(elements, NF4_BLOCK)
+    return (ceil_div(elements, 2) + blocks + ceil_div(blocks, NF4_NESTED_BLOCK) * BF16_BYTES
+            + BF16_BYTES + NF4_CODE_VALUES * BF16_BYTES)
+
+
+def torchao_copy_pieces(elements: int) -> list[int]:
+    """The tensors alive at once while ``copy_`` quantizes a bf16 weight of ``elements`` into
+    an ``NF4Tensor`` on the device (torchao since 0.3; module docstring), in the order they
+    are made: the moved source, the code, the int8 scales, their factors, the mean, the
+    block absmax, the block-scaled copy, the uint8 index buffer and one chunk's two distance
+    tensors. Their sum is the working set traced at its peak."""
+    blocks = ceil_div(elements, NF4_BLOCK)
+    chunk = min(elements, TORCHAO_NF4_CHUNK)
+    return [elements * BF16_BYTES, NF4_CODE_VALUES * BF16_BYTES, blocks,
+            ceil_div(blocks, NF4_NESTED_BLOCK) * BF16_BYTES, BF16_BYTES, blocks * BF16_BYTES,
+            elements * BF16_BYTES, elements,
+            chunk * NF4_CODE_VALUES * BF16_BYTES, chunk * NF4_CODE_VALUES * BF16_BYTES]
+
+
+def torchao_chunked_quantize_bytes(elements: int) -> int:
+    """Bytes ``copy_`` holds at once while it quantizes a bf16 weight of ``elements`` (torchao
+    since 0.3): ``torchao_copy_pieces`` summed. 1024 x 1024 by hand: 5 x 1,048,576 + 64 x
+    1,048,576 + 3 x 16,384 + 128 + 34 = 72,401,058."""
+    return sum(torchao_copy_pieces(elements))
+
+
 def torchao_dequant_bytes(elements: int) -> int:
     """Bytes alive at the end of torchao's ``get_original_weight`` for a weight of
     ``elements`` (module docstring): int64 indices of both nibbles (8 per weight), the looked-up
@@ -197,6 +255,8 @@ def base_weight_bytes(quant: BaseQuant, d_in: int, d_out: int, dtype_bytes: int)
         return int8_bytes(d_in, d_out)
     if quant is BaseQuant.NF4_TORCHAO_01:
         return nf4_torchao_01_bytes(d_in * d_out)
+    if quant is BaseQuant.NF4_TORCHAO:
+        return nf4_torchao_bytes(d_in * d_out)
     return d_in * d_out * dtype_bytes
 
 
@@ -209,9 +269,15 @@ def quant_data_bytes(quant: BaseQuant, d_in: int, d_out: int) -> int:
     parameter, not parameters: FSDP neither shards nor gathers them, every rank keeps them
     whole on its device (``Linear4bit.quant_state`` is kept on the module for that:
     ``fix_4bit_weight_quant_state_from_module``, bitsandbytes/nn/modules.py), and
-    ``CPUOffloadPolicy``, which moves parameters only, leaves them on the device."""
+    ``CPUOffloadPolicy``, which moves parameters only, leaves them on the device. torchao's
+    ``NF4Tensor`` since 0.3 shards and gathers its int8 scales and their factors with the
+    nibbles (``fsdp_pre_all_gather``); its mean and code are each shard's own."""
     if quant in (BaseQuant.NF4, BaseQuant.NF4_TORCHAO_01):
         return ceil_div(d_in * d_out, 2)
+    if quant is BaseQuant.NF4_TORCHAO:
+        n = d_in * d_out
+        blocks = ceil_div(n, NF4_BLOCK)
+        return ceil_div(n, 2) + blocks + ceil_div(blocks, NF4_NESTED_BLOCK) * BF16_BYTES
     if quant is BaseQuant.INT8:
         return d_in * d_out
     return 0
@@ -234,7 +300,18 @@ def assumptions(wl: Workload) -> tuple[str, ...]:
                                       "quantized by 256; dequantized by PyTorch ops in "
                                       "forward and backward; each weight quantized whole on "
                                       "the GPU at load); embedding, norms and head in "
-                                      f"{wl.precision.policy.params.value}"}[wl.base_quant]
+                                      f"{wl.precision.policy.params.value}",
+            BaseQuant.NF4_TORCHAO: "NF4 as torchao's NF4Tensor since 0.3 (blocks of 64, "
+                                   "scales quantized by 256; dequantized by PyTorch ops in "
+                                   "forward and backward; each weight quantized at load "
+                                   "1024**2 weights at a time, its working set replayed "
+                                   "once per weight after the weights are made, the "
+                                   "model's construction not replayed: torchtune's FSDP2 "
+                                   "recipes load into a model built on the meta device, "
+                                   "where fewer weights are alive then, so there the load's "
+                                   "peak is an upper bound); only the adapted linears; "
+                                   "embedding, norms and head in "
+                                   f"{wl.precision.policy.params.value}"}[wl.base_quant]
     master = (", with fp32 master copies" if wl.precision.policy.master is not None else "")
     dtype = (f"adapters in the model's {wl.precision.policy.params.value}{master} (cast by "
              f"DeepSpeed's _cast_module_mixed_precision, or built in it as torchtune's "

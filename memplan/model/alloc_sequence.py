@@ -39,6 +39,7 @@ from fractions import Fraction
 from itertools import accumulate, repeat
 from typing import NamedTuple
 
+from memplan.model.adapters import torchao_copy_pieces
 from memplan.model.allocator import Alloc, AllocatorConfig, Blip, Free, replay_reserved
 from memplan.model.collector import collector_paused
 from memplan.model.nf4_init import qlora_setup
@@ -228,6 +229,8 @@ class StageInputs(NamedTuple):
     pipeline_buffers: tuple[int, ...] = ()  # a pipeline runtime's receive buffers, each a
     #          tensor (``pipeline_buffers.StageBuffers.tensors``)
     #          elements: the set-up is torchtune's QLoRA one (``memplan.model.nf4_init``)
+    nf4_loads: tuple[tuple[int, ...], ...] = ()  # per layer, the elements of each weight the
+    #          load's ``copy_`` quantizes (torchao since 0.3: ``adapters.torchao_copy_pieces``)
 
 
 def _grad_bytes(elements: tuple[int, ...] | list[int], per_param: int | Fraction) -> list[int]:
@@ -261,6 +264,12 @@ def _setup(r: _Run) -> None:
         for e in every:
             b.alloc(e * s.params_bytes // total)
     b.alloc(s.buffers)
+    # torchao's NF4Tensor since 0.3: the checkpoint copied into each quantized weight of the
+    # built model, its working set made and freed at once (``copy_``: the moved source
+    # quantized in chunks)
+    for weights in s.nf4_loads[:len(_layers(r))]:
+        for n in weights:
+            b.made_and_freed(torchao_copy_pieces(n))
     if total:
         for e in every:
             b.alloc(e * s.master_bytes // total)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from memplan.choices import PlainEnum
 from memplan.model import te_fp8
-from memplan.model.adapters import Adapters, torchao_dequant_bytes
+from memplan.model.adapters import TORCHAO_NF4, Adapters, torchao_dequant_bytes
 from memplan.model.dims import MASK_BYTES, Dims, Term
 from memplan.workload import BaseQuant, Float8Recipe, TeFp8Recipe
 
@@ -126,7 +126,7 @@ def saved_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term]:
 
 
 def compiled_dequant_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term]:
-    """Compiled, torchao's ``NF4Tensor`` base weights (``BaseQuant.NF4_TORCHAO_01``): each
+    """Compiled, torchao's ``NF4Tensor`` base weights (``adapters.TORCHAO_NF4``): each
     quantized linear's dequantized weight, d_in x d_out in the compute dtype. Dynamo traces
     ``linear_nf4`` (``LinearNF4``, an autograd Function: ``F.linear(input,
     weight.to(input.dtype))``) and the NF4 tensor's ``to`` into the layer's one graph; Inductor
@@ -137,7 +137,7 @@ def compiled_dequant_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> 
     0.10.0, every adapted linear's weight, fp32 and bf16; torchao 0.1's ``linear_nf4`` alike,
     torch 2.13 on CPU)."""
     ad = dm.adapters
-    if not dm.compiled or ad is None or ad.quant is not BaseQuant.NF4_TORCHAO_01:
+    if not dm.compiled or ad is None or ad.quant not in TORCHAO_NF4:
         return []
     n = sum(weight_elements(lin, dm.tp) for lin in linears if ad.quantizes(lin))
     return [Term(f"{prefix}.dequant_weights", n * dm.e)] if n else []
@@ -532,7 +532,7 @@ def dequant_backward_bytes(lin: Linear, dm: Dims, grad_in_bytes: int) -> int:
     dequantized weight beside the result."""
     if dm.compiled:  # the dequantized weight is saved (``compiled_dequant_terms``)
         return grad_in_bytes
-    if (dm.adapters is not None and dm.adapters.quant is BaseQuant.NF4_TORCHAO_01
+    if (dm.adapters is not None and dm.adapters.quant in TORCHAO_NF4
             and dm.adapters.quantizes(lin)):
         return _torchao_dequant(lin, dm, grad_in_bytes)
     return grad_in_bytes + dequant_bytes(lin, dm)
@@ -545,7 +545,7 @@ def dequant_forward_bytes(lin: Linear, dm: Dims, out_bytes: int) -> int:
     ``dequant_backward_bytes``."""
     if dm.compiled:  # one fused kernel writes the (saved) weight: ``compiled_dequant_terms``
         return out_bytes
-    if (dm.adapters is not None and dm.adapters.quant is BaseQuant.NF4_TORCHAO_01
+    if (dm.adapters is not None and dm.adapters.quant in TORCHAO_NF4
             and dm.adapters.quantizes(lin)):
         return _torchao_dequant(lin, dm, out_bytes)
     return out_bytes

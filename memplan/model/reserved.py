@@ -96,7 +96,8 @@ def stage_inputs(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int,
         # and its sharded gradients on its reduce-scatter stream (FSDPCommContext:
         # reduce_scatter_stream; alloc_sequence._unit_gradients)
         reduce_stream=2 if walk.sharding.per_unit else 0,
-        nf4_weights=fx.nf4_weights, pipeline_buffers=walked.pipe.tensors,
+        nf4_weights=fx.nf4_weights, nf4_loads=fx.nf4_loads,
+        pipeline_buffers=walked.pipe.tensors,
         rebuild=tuple(_rebuilt(spec, wl, shared, key) for key, _ in walked.kinds.runs))
 
 

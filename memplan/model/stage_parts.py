@@ -139,6 +139,8 @@ class StageStates(NamedTuple):
     #                                    (states made after the temporaries); None: ``step``
     nf4_weights: tuple[tuple[int, ...], ...] = ()  # ``TrainablePolicy.nf4_weights``: the
     #                                                 set-up ``memplan.model.nf4_init`` replays
+    nf4_loads: tuple[tuple[int, ...], ...] = ()  # ``TrainablePolicy.nf4_loads``: the weights
+    #                                              the load quantizes (``alloc_sequence``)
 
     @property
     def optimizer_phase(self) -> int:
@@ -343,7 +345,8 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                              buffers, True, shard.bucket_resident, buckets,        # step
                              (shard.first_step or shard).post_step_bytes)
          if wl.flat_partition and not optimizer_on_host(par) else None),
-        trainable.nf4_weights if trainable.quantize_bytes else ())  # nf4_weights
+        trainable.nf4_weights if trainable.quantize_bytes else (),  # nf4_weights
+        trainable.nf4_loads)
 
 
 def te_fp8_states(st: StateBytes, spec: ModelSpec, par: ParallelConfig, wl: Workload,

@@ -73,6 +73,10 @@ class TrainablePolicy(NamedTuple):
     # per layer of the stage, the elements of each base weight torchao 0.1's ``to_nf4``
     # quantizes, in registration order, where the set-up is modelled (``memplan.model.nf4_init``)
     nf4_weights: tuple[tuple[int, ...], ...] = ()
+    # torchao since 0.3: per layer of the stage, the elements of each base weight the load's
+    # ``copy_`` quantizes, in registration order (its working set replayed once per weight:
+    # ``alloc_sequence._setup``)
+    nf4_loads: tuple[tuple[int, ...], ...] = ()
 
     @property
     def quantized(self) -> int:
@@ -122,7 +126,8 @@ def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
     ad = adapters_of(wl, spec.fused_qkv or wl.fused_qkv)
     if ad is None:  # every parameter trains (the common case: no further import)
         return ALL
-    from memplan.model.adapters import base_weight_bytes, quant_data_bytes, torchao_quantize_bytes
+    from memplan.model.adapters import (base_weight_bytes, quant_data_bytes,
+                                        torchao_chunked_quantize_bytes, torchao_quantize_bytes)
     from memplan.model.layer import layer_linears
     from memplan.model.linear import adapter_sizes, local_widths
     sizes: list[int] = []
@@ -159,6 +164,10 @@ def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
                            layer_quant_data_bytes=tuple(d for _, _, d in per_layer),
                            quant_state_bytes=state,
                            quantize_bytes=(torchao_quantize_bytes(largest)
-                                           if ad.quant is BaseQuant.NF4_TORCHAO_01 else 0),
+                                           if ad.quant is BaseQuant.NF4_TORCHAO_01 else
+                                           torchao_chunked_quantize_bytes(largest)
+                                           if ad.quant is BaseQuant.NF4_TORCHAO else 0),
                            nf4_weights=(tuple(nf4) if ad.quant is BaseQuant.NF4_TORCHAO_01
-                                        else ()))
+                                        else ()),
+                           nf4_loads=(tuple(nf4) if ad.quant is BaseQuant.NF4_TORCHAO
+                                      else ()))

@@ -240,7 +240,74 @@ def test_torchao_01_is_not_sharded(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2
     assert capsys.readouterr().err == (
         "memplan: error: base_quant nf4-torchao-0.1 with zero 3: torchao 0.1's NF4Tensor "
-        "cannot be sharded (nf4 describes a sharded QLoRA)\n")
+        "cannot be sharded (nf4-torchao, torchao's since 0.3, describes a sharded QLoRA)\n")
+
+
+def test_torchao_nf4_storage_of_one_weight() -> None:
+    """The same 896 x 256 weight as torchao's NF4Tensor since 0.3 (traced: tests/traced/
+    test_torchao_nf4_current.py): 114,688 B of nibbles and 3,584 int8 block scales as 0.1's,
+    but one bf16 factor per 256 blocks (ceil(3,584 / 256) = 14: 28 B), the bf16 mean and
+    code (34 B): 118,334 B. FSDP2 gathers the nibbles, scales and factors (118,300 B)."""
+    from memplan.model.adapters import nf4_torchao_bytes, quant_data_bytes
+    from memplan.workload import BaseQuant
+
+    assert nf4_torchao_bytes(229_376) == 114_688 + 3_584 + 28 + 2 + 32 == 118_334
+    assert quant_data_bytes(BaseQuant.NF4_TORCHAO, 256, 896) == 118_300
+
+
+def test_torchao_nf4_states_and_load_by_hand() -> None:
+    """All linears, rank 16, torchao's NF4 since 0.3: per layer q and o 32,768 + 1,024 + 8 +
+    34 = 33,834 B each; k and v 8,192 + 256 + 2 + 34 = 8,484 each; gate, up and down 118,334
+    each: 439,638 B a layer, 879,276 for two; with the bf16 embedding, norms and head
+    (1,026,560) and the fp32 adapters (655,360): 2,561,196 B. The load's copy_ quantizes the
+    largest weight (229,376 elements, under one chunk) beside every weight: 69 x 229,376 +
+    3 x 3,584 + 28 + 34 = 15,837,758 B, the tensor peak at 256 tokens."""
+    st = states(lora_rank=16, lora_targets="all-linear", base_quant="nf4-torchao")
+    assert st.params_bytes == 2_561_196
+    assert st.load_bytes == st.params_bytes + st.buffers_bytes + 15_837_758
+    assert st.tensor_peak_bytes == st.load_bytes
+    assert st.peak_phase == "model load (before step 1)"
+
+
+def test_torchao_nf4_quantizes_the_adapted_linears_only() -> None:
+    """q and v adapted (rank 8): q 33,834 B and v 8,484 B as NF4 (above), k, o, gate, up and
+    down in bf16 (32,768 + 131,072 + 3 x 458,752), norms 1,024: 1,583,438 B a layer,
+    3,166,876 for two, with the embedding, final norm and head (1,024,512) and the fp32
+    adapters (53,248): 4,244,636 B. The load quantizes q (65,536 elements): 69 x 65,536 +
+    3 x 1,024 + 8 + 34 = 4,525,098 B."""
+    st = states(lora_rank=8, base_quant="nf4-torchao")
+    assert st.params_bytes == 4_244_636
+    assert st.load_bytes == st.params_bytes + st.buffers_bytes + 4_525_098
+
+
+def test_torchao_nf4_is_sharded_by_fsdp2() -> None:
+    """At zero 3 on 2 ranks (FSDP2) a rank holds half of every parameter FSDP2 shards: the
+    bf16 embedding, norms and head (1,026,560 B), the NF4 weights' nibbles, scales and
+    factors (fsdp_pre_all_gather: 33,800 for q and o, 8,450 for k and v, 118,300 for gate, up
+    and down; 878,800 for two layers) and the fp32 adapters (655,360), and the whole mean and
+    code of each of its 14 NF4 shards (34 B each): 952,680 + 327,680 + 476 = 1,280,836 B."""
+    spec, par, wl = api.resolve(toy(), gpus=2, zero=3, micro_batch_size=2, seq_len=128,
+                                precision="bf16-pure", lora_rank=16, lora_targets="all-linear",
+                                base_quant="nf4-torchao")
+    st = estimate(spec, load_gpu(DEFAULT_GPU), par, wl, overheads=no_overheads()).stages[0]
+    assert wl.fsdp_version == 2
+    assert st.params_bytes == 1_280_836
+
+
+def test_torchao_dequantize_the_same_in_both_releases() -> None:
+    """torchao 0.3 on dequantizes as 0.1 did (get_original_weight, LinearNF4: traced alike),
+    eager and compiled: the same saved bytes and moments for a layer, all linears adapted."""
+    spec = toy()
+    for compiled in (False, True):
+        kinds = []
+        for quant in ("nf4-torchao-0.1", "nf4-torchao"):
+            _, par, wl = api.resolve(spec, precision="bf16-pure", lora_rank=8, seq_len=128,
+                                     lora_targets="all-linear", base_quant=quant,
+                                     compile=compiled, recompute="full",
+                                     compile_in_checkpoint=compiled)
+            dm = Dims.of(spec, par, wl)
+            kinds.append(layer_kind(spec, wl, dm, False, wl.recompute))
+        assert kinds[0] == kinds[1]
 
 
 def test_torchao_01_dequantize_working_set() -> None:
@@ -255,6 +322,7 @@ def test_torchao_01_dequantize_working_set() -> None:
     spec = toy()
     down = mlp_linears(spec, spec.ffn_hidden_size)[-1]
     for quant, backward, forward in (("nf4-torchao-0.1", 3_218_432, 3_218_432),
+                                     ("nf4-torchao", 3_218_432, 3_218_432),
                                      ("nf4", 917_504, 458_752), ("none", 458_752, 458_752)):
         _, par, wl = api.resolve(spec, precision="bf16-pure", lora_rank=8,
                                  lora_targets="all-linear", base_quant=quant)
