@@ -64,9 +64,10 @@ READMEs), traced on CPU with torchao 0.18 (``tests/traced/test_torchao_nf4_curre
 - dequantized: ``get_original_weight`` and ``LinearNF4`` as 0.1's (``torchao_dequant_bytes``,
   the same bytes traced);
 - quantized at load (``torchao_copy_pieces``): ``copy_`` of a bf16 tensor into an
-  ``NF4Tensor`` (the ``aten.copy_`` handler, since 0.2, which torchtune's own
-  ``inplace_copy`` defers to from then) moves it to the device and runs ``from_tensor``
-  on it, then copies the new pieces into the old ones in place; ``convert_to_norm_float_weight``
+  ``NF4Tensor`` (torchao's ``aten.copy_`` handler since 0.2; torchtune registers its own
+  ``inplace_copy`` only for older torchao, ``_register_nf4_dispatch_ops.py``) moves it to
+  the device and runs ``from_tensor`` on it, then copies the new pieces into the old ones in
+  place; ``convert_to_norm_float_weight``
   takes the nearest code value ``CHUNK_SIZE`` (1024**2) weights at a time into a uint8 buffer
   of one byte per weight, so at once: the source and its block-scaled copy (bf16), that
   buffer, one chunk's two (c, 16) bf16 distance tensors, the block absmax (bf16), the int8
