@@ -525,7 +525,10 @@ FINETUNE_MIN_EXPRESSED = 8
 # (--compile-loss) and compile with LoRA (--compile-in-checkpoint, a frozen head making no
 # weight gradient) made nine compiled runs expressible or re-priced: 29 runs, median 9.51 (the
 # new runs are the llama3.1 README's, +11.1/+31.2/+11.2/+14.9%, above the old median).
-FINETUNE_MEDIAN_KNOWN_PCT = 9.51
+# Since re-priced below the target (the test returns there): 29 runs at a 4.2% median; then
+# base_quant nf4-torchao (torchao's NF4Tensor since 0.3) made torchtune's three compiled
+# QLoRA runs expressible (+7.0% / +9.0% / +38.8% on tensors): 32 runs, median 5.92.
+FINETUNE_MEDIAN_KNOWN_PCT = 5.92
 
 
 def test_finetune_median_error_target(finetune_rows):
