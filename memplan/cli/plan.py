@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from typing import Annotated
 
 import typer
@@ -101,7 +103,7 @@ def plan(
     policy = policy or fixed
     result = run_plan(model, safety=safety, max_tp=max_tp, top=top,
                       recompute=None if policy is None else [policy], **kwargs)
-    from memplan.report.plan import no_fit_reason, plan_json, render_plan, savers_json
+    from memplan.report.plan import no_fit_reason, plan_json, savers_json
 
     found = None
     if (not result.candidates and result.closest_miss is not None
@@ -136,14 +138,24 @@ def plan(
     if json_out:
         typer.echo(dumps("plan", out))
     else:
-        from rich.console import Console
-
+        from memplan.report.plan import plan_parts
+        from memplan.report.text import console_layout, render, to_rich
         from memplan.spec import ModelSpec, load_model
 
         if imported is not None:
             typer.echo("\n".join(imported.lines()))
         spec = model if isinstance(model, ModelSpec) else load_model(model)
-        Console().print(render_plan(result, spec.name, spec.num_layers, job.gpus, job.gpu, top))
+        parts = plan_parts(result, spec.name, spec.num_layers, job.gpus, job.gpu, top)
+        # the text rich prints, to a pipe or a terminal, laid out without loading rich
+        layout = console_layout()
+        text = None if layout is None else render(parts, layout[0], layout[1])
+        if text is not None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        else:
+            from rich.console import Console
+
+            Console().print(to_rich(parts))
         if found is not None:
             from memplan.report.plan import savers_text
 

@@ -133,18 +133,16 @@ def _recompute(c: Any, num_layers: int) -> str:
                                 if c.recompute_layers else "")
 
 
-def render_plan(result: PlanResult, model: str, num_layers: int, gpus: int, gpu: str,
-                top: int) -> Any:
-    """The first ``top`` candidates as a table (peak in GiB), then the rejections and the
-    closest configuration that did not fit."""
-    from rich import box
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
+def plan_parts(result: PlanResult, model: str, num_layers: int, gpus: int, gpu: str,
+               top: int) -> list[Any]:
+    """The first ``top`` candidates as a table (peak in GiB), then the notes, the rejections
+    and the closest configuration that did not fit: ``memplan.report.text`` parts, laid out
+    as rich lays them out (``render``) without importing it."""
+    from memplan.report.text import Paragraph, TextTable
 
-    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False,
-                  title=f"{model} on {gpus} x {gpu}, global batch {result.global_batch_size}: "
-                        f"{len(result.candidates)} fit ({result.evaluated} estimates; GiB = 2^30 B)")
+    table = TextTable(f"{model} on {gpus} x {gpu}, global batch {result.global_batch_size}: "
+                      f"{len(result.candidates)} fit ({result.evaluated} estimates; GiB = 2^30 "
+                      "B)", simple=True)
     # narrower than its content (a small terminal, --width), a cell folds onto a second line
     # rather than being cut
     table.add_column("layout", overflow="fold")
@@ -156,9 +154,9 @@ def render_plan(result: PlanResult, model: str, num_layers: int, gpus: int, gpu:
                       f"{c.time.tokens_per_s_per_gpu:,.0f}", f"{c.time.mfu:.2f}",
                       _BOUND[c.time.bound.value])
     parts: list[Any] = [table]
-    parts += [Text(f"note: {note}") for note in result.notes]
+    parts += [Paragraph(f"note: {note}") for note in result.notes]
     if result.rejected:
-        parts.append(Text("rejected: " + "; ".join(
+        parts.append(Paragraph("rejected: " + "; ".join(
             f"{n} x {reason}" for reason, n in result.rejected.most_common())))
     if result.oom_excess_bytes is not None:
         # with --top, of the configurations searched (the others were not evaluated)
@@ -166,9 +164,18 @@ def render_plan(result: PlanResult, model: str, num_layers: int, gpus: int, gpu:
 
         pruned = SLOWER_THAN_TOP.split("{top}")[0]
         searched = any(r.startswith(pruned) for r in result.rejected)
-        parts.append(Text(f"closest configuration {'searched ' if searched else ''}that did not "
-                          f"fit: {format_gib(result.oom_excess_bytes)} over the usable capacity"))
-    return Group(*parts)
+        parts.append(Paragraph(f"closest configuration {'searched ' if searched else ''}that "
+                               f"did not fit: {format_gib(result.oom_excess_bytes)} over the "
+                               "usable capacity"))
+    return parts
+
+
+def render_plan(result: PlanResult, model: str, num_layers: int, gpus: int, gpu: str,
+                top: int) -> Any:
+    """``plan_parts`` as one rich renderable (``--html``'s text)."""
+    from memplan.report.text import to_rich
+
+    return to_rich(plan_parts(result, model, num_layers, gpus, gpu, top))
 
 
 def savers_json(found: Any) -> dict[str, Any]:

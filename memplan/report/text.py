@@ -54,12 +54,15 @@ class Column:
 
 
 class TextTable:
-    """A titled table of string cells in rich's default table style."""
+    """A titled table of string cells in rich's default table style, or with ``simple`` as
+    ``rich.table.Table(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True,
+    pad_edge=False)`` draws it (``plan``'s: a rule under the header, one space between
+    columns, none outside the first and last)."""
 
-    __slots__ = ("columns", "rows", "title")
+    __slots__ = ("columns", "rows", "simple", "title")
 
-    def __init__(self, title: str) -> None:
-        self.title = title
+    def __init__(self, title: str, simple: bool = False) -> None:
+        self.title, self.simple = title, simple
         self.columns: list[Column] = []
         self.rows: list[tuple[str, ...]] = []
 
@@ -85,7 +88,8 @@ def to_rich(parts: list[Part]) -> Any:
         if isinstance(part, Paragraph):
             out.append(Text(part.text, style=part.style))
             continue
-        table = Table(title=part.title)
+        table = (Table(title=part.title) if not part.simple else
+                 _simple_table(part.title))
         for c in part.columns:
             table.add_column(c.header, justify=c.justify, overflow=c.overflow,
                              no_wrap=c.no_wrap)
@@ -93,6 +97,14 @@ def to_rich(parts: list[Part]) -> Any:
             table.add_row(*row)
         out.append(table)
     return Group(*out)
+
+
+def _simple_table(title: str) -> Any:
+    from rich import box
+    from rich.table import Table
+
+    return Table(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False,
+                 title=title)
 
 
 # --- how rich's default console prints (rich/console.py Console.__init__, is_terminal,
@@ -278,16 +290,23 @@ def _fit(line: str, width: int, pad: bool = True) -> str:
     return _set_cell_size(line, width) if length > width else line
 
 
-# --- tables: rich/table.py with padding (0, 1), box.HEAVY_HEAD, show_edge, header ---
+# --- tables: rich/table.py with padding (0, 1), box.HEAVY_HEAD, show_edge, header; or
+# box.SIMPLE_HEAD with collapse_padding and no pad_edge (``TextTable.simple``) ---
 
-_PAD = 2  # a cell's left and right padding
+
+def _pads(table: TextTable, index: int) -> tuple[int, int]:
+    """Column ``index``'s cells' (left, right) padding (``Table._get_cells``' get_padding):
+    (1, 1); ``simple``: collapsed to the right one alone, none at the table's edges."""
+    if not table.simple:
+        return 1, 1
+    return 0, 0 if index == len(table.columns) - 1 else 1
 
 
-def _measure(text: str, max_width: int) -> tuple[int, int]:
-    """``Measurement.get`` of a cell (a ``Padding((0, 1))`` around ``text``)."""
+def _measure(text: str, max_width: int, pad: int = 2) -> tuple[int, int]:
+    """``Measurement.get`` of a cell (a ``Padding`` of ``pad`` cells in all around ``text``)."""
     if max_width < 1:
         return 0, 0
-    if max_width - _PAD < 1:
+    if max_width - pad < 1:
         lo = hi = max_width
     else:
         lines = text.splitlines()
@@ -295,7 +314,7 @@ def _measure(text: str, max_width: int) -> tuple[int, int]:
         words = text.split()
         lo = max(map(_cell_len, words)) if words else hi
         lo, hi = _normalize(lo, hi, max_width)  # the text's own measure
-        lo, hi = min(lo + _PAD, max_width), min(hi + _PAD, max_width)
+        lo, hi = min(lo + pad, max_width), min(hi + pad, max_width)
     return _normalize(lo, hi, max_width)
 
 
@@ -316,7 +335,8 @@ def _column_max(table: TextTable, index: int, max_width: int) -> int:
     if max_width < 1:
         return 0
     cells = [table.columns[index].header, *(row[index] for row in table.rows)]
-    return min(max(_measure(cell, max_width)[1] for cell in cells), max_width)
+    pad = sum(_pads(table, index))
+    return min(max(_measure(cell, max_width, pad)[1] for cell in cells), max_width)
 
 
 def _ratio_reduce(total: int, ratios: list[int], maximums: list[int],
@@ -368,18 +388,20 @@ def _column_widths(table: TextTable, max_width: int) -> list[int]:
 Segments = list[tuple[str, str]]  # a line: (text, style) pieces, as rich writes them
 
 
-def _cell_lines(text: str, width: int, column: Column) -> list[str]:
-    """A cell's lines of text, ``width - 2`` wide (none in a column too narrow to hold a
+def _cell_lines(text: str, width: int, column: Column, pad: int = 2) -> list[str]:
+    """A cell's lines of text, ``width - pad`` wide (none in a column too narrow to hold a
     character: rich's ``Console.render`` draws nothing)."""
-    inner = width - _PAD
+    inner = width - pad
     if inner < 1:
         return []
     return [_fit(line, inner) for line in
             _wrap(text, inner, column.justify, column.overflow, column.no_wrap)]
 
 
-_TOP, _HEAD, _HEAD_ROW, _BOTTOM = "┏━┳┓", "┃┃┃", "┡━╇┩", "└─┴┘"
-_ROW = "│││"
+# the box's top, header row's sides, rule under the header, bottom and a row's sides:
+# box.HEAVY_HEAD, or box.SIMPLE_HEAD (rich/box.py) for a ``simple`` table
+_BOXES = {False: ("┏━┳┓", "┃┃┃", "┡━╇┩", "└─┴┘", "│││"),
+          True: ("    ", "   ", " ── ", "    ", "   ")}
 
 
 def _table_lines(table: TextTable, max_width: int) -> list[Segments]:
@@ -395,30 +417,38 @@ def _table_lines(table: TextTable, max_width: int) -> list[Segments]:
 
     out = [] if not table.title else [
         [(line, "italic")] for line in _wrap(table.title, table_width, "center", "fold")]
-    out.append(rule(_TOP))
+    top, head, head_row, bottom, row_edge = _BOXES[table.simple]
+    pads = [_pads(table, i) for i in range(len(table.columns))]
+    out.append(rule(top))
     for index, row in enumerate([tuple(c.header for c in table.columns), *table.rows]):
-        texts = [_cell_lines(text, w, c) for text, w, c in zip(row, widths, table.columns)]
+        texts = [_cell_lines(text, w, c, sum(p))
+                 for text, w, c, p in zip(row, widths, table.columns, pads)]
         height = max(map(len, texts))
         style = "bold" if index == 0 else ""
         cells: list[list[Segments]] = []
-        for lines, w in zip(texts, widths):
-            cell = [[(" ", style), (line, style), (" ", style)] for line in lines]
+        for lines, w, (left, right) in zip(texts, widths, pads):
+            cell = [[*([(" " * left, style)] if left else []), (line, style),
+                     *([(" " * right, style)] if right else [])] for line in lines]
             blank = [[(" " * w, style)]] * (height - len(cell))
             # the header sits at the bottom, rows at the top; a row of nothing: one blank line
             cells.append((blank + cell if index == 0 else cell + blank) or [[(" " * w, "")]])
-        edge = _HEAD if index == 0 else _ROW
+        edge = head if index == 0 else row_edge
         for line_no in range(max(1, height)):
             line: Segments = [(edge[0], "")]
             for i, cell in enumerate(cells):
                 line += [*cell[line_no], *([(edge[1], "")] if i < len(cells) - 1 else [])]
             out.append([*line, (edge[2], "")])
         if index == 0:
-            out.append(rule(_HEAD_ROW))
-    out.append(rule(_BOTTOM))
+            out.append(rule(head_row))
+    out.append(rule(bottom))
     return out
 
 
-_MARKUP = re.compile(r"\[|:\S*?:")  # rich reads table strings as markup and emoji codes
+# rich reads table strings as markup and emoji codes: a "[" that can open a tag (a letter,
+# "#", "/" or "@" after it: rich/markup.py RE_TAGS), one escaped by a backslash (rich drops
+# the backslash) or a ":name:" is left to rich; another "[" (a pipeline split,
+# "[0,1x126,0]") is text to rich too
+_MARKUP = re.compile(r"\[[a-z#/@]|\\\[|:\S*?:")
 
 
 def render(parts: list[Part], width: int, mode: str = PLAIN) -> str | None:

@@ -172,12 +172,24 @@ def test_wide_characters_are_measured_as_rich_measures_them() -> None:
             assert render(parts, width, mode) == rich_prints(to_rich(parts), width, env), width
 
 
-@pytest.mark.parametrize("cell", ["[bold]x[/bold]", "a :smile: b", "tab\there"])
+@pytest.mark.parametrize("cell", ["[bold]x[/bold]", "a :smile: b", "tab\there", "[#f00]x",
+                                  "[/]", "[@click]x", "\\[0,1]"])
 def test_markup_emoji_and_tabs_are_left_to_rich(cell: str) -> None:
     """rich reads table strings as markup and emoji codes, and expands tabs: not laid out here
     (None), so the caller prints through rich."""
     assert render([table("t", ["h"], [(cell,)])], 80) is None
     assert render([Paragraph("ok")], 80) == "ok\n"
+
+
+@pytest.mark.parametrize("cell", ["tp8+sp pp16 v8 [0,1x126,0] dp16 z1", "[1]", "[", "a]b[",
+                                  "[ 3 ]", "x\\y[0]"])
+def test_brackets_that_open_no_tag_are_text(cell: str) -> None:
+    """A "[" that cannot open a markup tag (plan's pipeline splits) is text to rich: laid out
+    here, as rich prints it."""
+    parts = [table("t", ["h", "n"], [(cell, "1"), ("x", cell)])]
+    for width in (80, 20, 7):
+        assert render(parts, width) is not None
+        assert render(parts, width) == rich_prints(to_rich(parts), width), width
 
 
 class Stream(io.StringIO):
@@ -260,3 +272,36 @@ def test_estimate_command_prints_richs_text_without_rich(args: list[str],
                            {"FORCE_COLOR": "1", "TERM": "xterm-256color"} if terminal else None)
     assert got["stdout"] == expected
     assert got["stdout"].startswith("\x1b[1;3") == terminal  # the verdict, red or green
+
+
+@pytest.mark.parametrize(("args", "terminal"), [
+    (["--model", "tiny", "--gpus", "8"], False),
+    (["--model", "tiny", "--gpus", "8", "--top", "3", "--width", "60"], True),
+    (["--model", "gpt2", "--gpus", "8", "--width", "70"], False)])
+def test_plan_command_prints_richs_text_without_rich(args: list[str], terminal: bool) -> None:
+    """``memplan plan`` in a fresh interpreter: its table (box.SIMPLE_HEAD, collapsed padding,
+    no padded edge; pipeline splits in brackets among its layouts), notes and rejections as
+    rich prints them (``render_plan``, the same parts through rich) at the command's width,
+    and no rich module loaded."""
+    from memplan.report.plan import render_plan
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("COLUMNS", "FORCE_COLOR", "TTY_COMPATIBLE", "NO_COLOR", "TERM")}
+    env.update(PYTHONPATH=str(ROOT), MEMPLAN_JOBS="1")
+    if terminal:
+        env.update(FORCE_COLOR="1", TERM="xterm-256color")
+    run = subprocess.run([sys.executable, "-c", CHILD, "plan", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True)
+    got = json.loads(run.stdout)
+    assert got["code"] == 0
+    assert got["rich"] == []
+    width = int(args[args.index("--width") + 1]) if "--width" in args else 240
+    top = int(args[args.index("--top") + 1]) if "--top" in args else 10
+    spec = memplan.load_model(args[1])
+    result = memplan.plan(spec, gpus=int(args[3]), top=top)
+    expected = rich_prints(render_plan(result, spec.name, spec.num_layers, int(args[3]),
+                                       "h100-sxm", top), width,
+                           {"FORCE_COLOR": "1", "TERM": "xterm-256color"} if terminal else None)
+    assert got["stdout"] == expected
+    if args[1] == "tiny" and top == 10:  # a pipeline split among the layouts
+        assert "[0,1x2,0]" in got["stdout"]
