@@ -407,3 +407,37 @@ def test_rerun_holds_the_down_adapters_gradients_and_up_adapters_sum() -> None:
     spec, par, wl = api.resolve(toy(), framework="hf", micro_batch_size=2, seq_len=128,
                                 precision="bf16-pure", recompute="full", lora_rank=8)
     assert rerun_pending_bytes(spec, Dims.of(spec, par, wl)) == 0
+
+
+def test_torchao_nf4_load_is_replayed_per_weight() -> None:
+    """The caching allocator's sequence (``memplan.model.alloc_sequence``) for torchao's NF4
+    since 0.3: after the weights and buffers are made, one working set per quantized weight,
+    in registration order (each layer's q, k, v, o, gate, up, down), each the tensors of its
+    ``copy_`` (``adapters.torchao_copy_pieces``: q's 65,536 weights, under one chunk: the
+    131,072 B source, the 32 B code, 1,024 int8 scales, 8 B of factors, the 2 B mean, 2,048 B
+    of block absmax, the 131,072 B scaled copy, the 65,536 B index buffer and two 2,097,152 B
+    distance tensors). 0.1's set-up is its own (``nf4_init``), and bitsandbytes' has none."""
+    from memplan.model import memo
+    from memplan.model.adapters import torchao_copy_pieces
+    from memplan.model.alloc_sequence import stage_sequence
+    from memplan.model.allocator import Blip
+    from memplan.model.reserved import stage_inputs
+    from memplan.model.stage import walk_stage
+
+    def setup_blips(quant: str) -> list[tuple[int, ...]]:
+        spec, par, wl = api.resolve(toy(), framework="hf", micro_batch_size=2, seq_len=128,
+                                    precision="bf16-pure", lora_rank=16,
+                                    lora_targets="all-linear", base_quant=quant)
+        est = estimate(spec, load_gpu(DEFAULT_GPU), par, wl, overheads=no_overheads())
+        parts = memo.stage_parts(spec, par, wl)
+        shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.experts, parts)
+        walked = walk_stage(spec, par, wl, est.num_microbatches, 0, est.schedule, shared,
+                            parts[0])
+        b = stage_sequence(stage_inputs(spec, par, wl, 1, walked, shared))
+        return [e.tensors() for e in b.events[:b.marks[0]] if isinstance(e, Blip)]
+
+    layer = [65_536, 16_384, 16_384, 65_536, 229_376, 229_376, 229_376]
+    got = setup_blips("nf4-torchao")
+    assert got == [tuple(torchao_copy_pieces(n)) for n in layer * 2]
+    assert got[0] == (131_072, 32, 1_024, 8, 2, 2_048, 131_072, 65_536, 2_097_152, 2_097_152)
+    assert setup_blips("nf4") == []
