@@ -245,6 +245,23 @@ print(json.dumps({"code": code, "stdout": out.getvalue(),
 """
 
 
+def _command(command: str, args: list[str], terminal: bool, **env_more: str) -> dict:
+    """``CHILD`` running ``memplan command args`` in a fresh interpreter, its stdout no
+    terminal (or one by FORCE_COLOR): what it printed, its exit code 0, no rich module
+    loaded."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("COLUMNS", "FORCE_COLOR", "TTY_COMPATIBLE", "NO_COLOR", "TERM")}
+    env.update(PYTHONPATH=str(ROOT), **env_more)
+    if terminal:
+        env.update(FORCE_COLOR="1", TERM="xterm-256color")
+    run = subprocess.run([sys.executable, "-c", CHILD, command, *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True)
+    got = json.loads(run.stdout)
+    assert got["code"] == 0
+    assert got["rich"] == []
+    return got
+
+
 @pytest.mark.parametrize(("args", "terminal"), [
     (["--model", "llama-7b", "--gpus", "64"], False),
     (["-m", "llama-7b", "-n", "64", "--tp", "2", "--pp", "4", "--width", "80"], False),
@@ -255,16 +272,7 @@ def test_estimate_command_prints_richs_text_without_rich(args: list[str],
     """The command in a fresh interpreter, its stdout no terminal (or one by FORCE_COLOR):
     the text rich prints at the command's width (240 for a pipe, or --width), and no rich
     module loaded."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("COLUMNS", "FORCE_COLOR", "TTY_COMPATIBLE", "NO_COLOR", "TERM")}
-    env["PYTHONPATH"] = str(ROOT)
-    if terminal:
-        env.update(FORCE_COLOR="1", TERM="xterm-256color")
-    run = subprocess.run([sys.executable, "-c", CHILD, "estimate", *args], cwd=ROOT, env=env,
-                         capture_output=True, text=True, check=True)
-    got = json.loads(run.stdout)
-    assert got["code"] == 0
-    assert got["rich"] == []
+    got = _command("estimate", args, terminal)
     width = int(args[args.index("--width") + 1]) if "--width" in args else 240
     model, gpus = args[1], int(args[3])
     kwargs = dict(tp=2, pp=4) if "--tp" in args else {}
@@ -285,16 +293,7 @@ def test_plan_command_prints_richs_text_without_rich(args: list[str], terminal: 
     and no rich module loaded."""
     from memplan.report.plan import render_plan
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("COLUMNS", "FORCE_COLOR", "TTY_COMPATIBLE", "NO_COLOR", "TERM")}
-    env.update(PYTHONPATH=str(ROOT), MEMPLAN_JOBS="1")
-    if terminal:
-        env.update(FORCE_COLOR="1", TERM="xterm-256color")
-    run = subprocess.run([sys.executable, "-c", CHILD, "plan", *args], cwd=ROOT, env=env,
-                         capture_output=True, text=True, check=True)
-    got = json.loads(run.stdout)
-    assert got["code"] == 0
-    assert got["rich"] == []
+    got = _command("plan", args, terminal, MEMPLAN_JOBS="1")
     width = int(args[args.index("--width") + 1]) if "--width" in args else 240
     top = int(args[args.index("--top") + 1]) if "--top" in args else 10
     spec = memplan.load_model(args[1])
