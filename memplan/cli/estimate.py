@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -147,19 +146,10 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
     if imported is not None:
         typer.echo("\n".join(imported.lines()))
     # the text rich prints, to a pipe or a terminal, laid out without loading rich
-    from memplan.report.estimate import estimate_text
-    from memplan.report.text import console_layout
+    from memplan.report.estimate import estimate_parts
+    from memplan.report.text import print_parts
 
-    layout = console_layout()
-    text = None if layout is None else estimate_text(est, reserved, alloc_conf,
-                                                     width=layout[0], mode=layout[1])
-    if text is not None:  # written as rich writes it (click's echo drops the styles off a tty)
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    else:
-        from rich.console import Console
-
-        Console().print(render_estimate(est, reserved, alloc_conf))
+    print_parts(estimate_parts(est, reserved, alloc_conf))
     if drawn is not None:
         typer.echo(f"wrote {drawn}")
     if html is not None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 from typing import Annotated
 
 import typer
@@ -139,23 +137,13 @@ def plan(
         typer.echo(dumps("plan", out))
     else:
         from memplan.report.plan import plan_parts
-        from memplan.report.text import console_layout, render, to_rich
+        from memplan.report.text import print_parts
         from memplan.spec import ModelSpec, load_model
 
         if imported is not None:
             typer.echo("\n".join(imported.lines()))
         spec = model if isinstance(model, ModelSpec) else load_model(model)
-        parts = plan_parts(result, spec.name, spec.num_layers, job.gpus, job.gpu, top)
-        # the text rich prints, to a pipe or a terminal, laid out without loading rich
-        layout = console_layout()
-        text = None if layout is None else render(parts, layout[0], layout[1])
-        if text is not None:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-        else:
-            from rich.console import Console
-
-            Console().print(to_rich(parts))
+        print_parts(plan_parts(result, spec.name, spec.num_layers, job.gpus, job.gpu, top))
         if found is not None:
             from memplan.report.plan import savers_text
 

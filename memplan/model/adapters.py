@@ -275,10 +275,8 @@ def quant_data_bytes(quant: BaseQuant, d_in: int, d_out: int) -> int:
     nibbles (``fsdp_pre_all_gather``); its mean and code are each shard's own."""
     if quant in (BaseQuant.NF4, BaseQuant.NF4_TORCHAO_01):
         return ceil_div(d_in * d_out, 2)
-    if quant is BaseQuant.NF4_TORCHAO:
-        n = d_in * d_out
-        blocks = ceil_div(n, NF4_BLOCK)
-        return ceil_div(n, 2) + blocks + ceil_div(blocks, NF4_NESTED_BLOCK) * BF16_BYTES
+    if quant is BaseQuant.NF4_TORCHAO:  # all it stores but the mean and the code
+        return nf4_torchao_bytes(d_in * d_out) - BF16_BYTES - NF4_CODE_VALUES * BF16_BYTES
     if quant is BaseQuant.INT8:
         return d_in * d_out
     return 0

@@ -299,7 +299,7 @@ def _pads(table: TextTable, index: int) -> tuple[int, int]:
     (1, 1); ``simple``: collapsed to the right one alone, none at the table's edges."""
     if not table.simple:
         return 1, 1
-    return 0, 0 if index == len(table.columns) - 1 else 1
+    return (0, 0) if index == len(table.columns) - 1 else (0, 1)
 
 
 def _measure(text: str, max_width: int, pad: int = 2) -> tuple[int, int]:
@@ -449,6 +449,20 @@ def _table_lines(table: TextTable, max_width: int) -> list[Segments]:
 # the backslash) or a ":name:" is left to rich; another "[" (a pipeline split,
 # "[0,1x126,0]") is text to rich too
 _MARKUP = re.compile(r"\[[a-z#/@]|\\\[|:\S*?:")
+
+
+def print_parts(parts: list[Part]) -> None:
+    """``parts`` on stdout as a default ``rich.console.Console().print`` writes them: laid out
+    here (``console_layout``, ``render``; rich not loaded), else through rich."""
+    layout = console_layout()
+    text = None if layout is None else render(parts, layout[0], layout[1])
+    if text is None:
+        from rich.console import Console
+
+        Console().print(to_rich(parts))
+        return
+    sys.stdout.write(text)  # (click's echo drops the styles off a terminal)
+    sys.stdout.flush()
 
 
 def render(parts: list[Part], width: int, mode: str = PLAIN) -> str | None:
