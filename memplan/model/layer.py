@@ -566,7 +566,10 @@ def _rerun_moments(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block,
     mlp = any(isinstance(b, Mlp) for b in blocks)
     # the sub-layer's scaled output (``ModelSpec.scaled_residual``): its scalar product's
     # backward ran before the node that reruns the layer, its gradient copy waits beside the
-    # stream's (traced: Granite 4.0-H on transformers 5.23, tests/unit/test_mamba_einsum.py);
+    # stream's (traced: Granite 4.0-H on transformers 5.23, tests/unit/test_mamba_einsum.py;
+    # Falcon-H1's ``down_proj(y) * down_multiplier``, FalconH1MLP.forward, keeping the
+    # attention's and MLP's outputs in fp32, tests/unit/test_sac_mamba_einsum.py: one T h
+    # fp32 above before; under autocast its rebuild moments hold their rerun's context);
     # an adapted down projection's sum's gradients (``mlp.rerun_pending_bytes``)
     # Under autocast the last sub-layer's add casts the stream's gradient to the branch's
     # dtype (``_branch_grad``) before the branch's first node, which reruns the layer (traced:
@@ -575,7 +578,8 @@ def _rerun_moments(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block,
     # rebuild moments hold their rerun's context (Falcon-H1's, traced on 5.3 and 5.23)
     amp = dm.autocast and not any(isinstance(b, (Mamba, ParallelMamba)) for b in blocks)
     branch_grad = _branch_grad(spec, dm) if amp else 0
-    rerun_in = (incoming + branch_grad + (stream if spec.scaled_residual else 0)
+    scaled = spec.scaled_residual or (mlp and falcon_h1.parallel(spec) and not dm.autocast)
+    rerun_in = (incoming + branch_grad + (stream if scaled else 0)
                 + (rerun_pending_bytes(spec, dm) if mlp else 0))
     # The rerun stops once the last saved tensor is packed: after the MLP's output dropout
     # (its mask), or its second linear, whose output is alive then (and dropout's), with
@@ -898,11 +902,11 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     peak = ops_forward_peak(_ops_forward(spec, base, dm, moe, variant), items, kept)
     return full._replace(terms=full.terms + terms, saved_bytes=full.saved_bytes + total(terms),
                          forward_peak_bytes=peak, forward_blocks=(),
-                         moments=_cached_at_rerun(spec, wl, dm,
-                                                  _clamped_rerun(spec, wl, dm, _cached_ahead(
-                                                      spec, wl, full.moments, kept), items,
-                                                      kept),
-                                                  items, kept))
+                         moments=_cached_at_mamba_rerun(
+                             spec, variant, _cached_at_rerun(
+                                 spec, wl, dm, _clamped_rerun(spec, wl, dm, _cached_ahead(
+                                     spec, wl, full.moments, kept), items, kept), items, kept),
+                             items, kept))
 
 
 @lru_cache(maxsize=1024)
@@ -1034,6 +1038,46 @@ def _cached_at_rerun(spec: ModelSpec, wl: Workload, dm: Dims, moments: tuple[Lay
     return tuple(out)
 
 
+# a Mamba2 mixer's rerun moments at its scan and gated norm (``Mamba.rebuild_moments``: 5.3's
+# naive scan, 5.23's einsums), before out_proj's input is made
+_MAMBA_SCAN_MOMENTS = frozenset({"ssd_diag", "ssd_states", "mamba.segsum", "mamba.states",
+                                 "mamba.scan_out", "mamba.norm"})
+
+
+def _cached_at_mamba_rerun(spec: ModelSpec, variant: str, moments: tuple[LayerMoment, ...], items: tuple[sac_ops.Item, ...],
+                           kept: tuple[sac_ops.Item, ...]) -> tuple[LayerMoment, ...]:
+    """A Mamba2 mixer's rerun moments (the first of the fully recomputed layer's moments,
+    ``_rerun_moments``) with the kept outputs the rerun has not reached yet: torch/utils/
+    checkpoint.py's ``_CachedTorchDispatchMode`` pops each cached output when its op reruns,
+    so at the rerun's scan and gated norm the cache still holds the kept outputs from
+    out_proj's input on (``mamba.out``, ``mamba.out_proj``, the later blocks': Falcon-H1's
+    attention, the MLP norm's, the MLP's), and at out_proj's output those after it (traced:
+    Granite 4.0-H narrowed on transformers 5.23, bf16, 2 x 512 tokens, the MLP norm's four
+    tensors kept: the rerun's scan output beside them was the backward's peak, 353,280 B
+    above the estimate before)."""
+    if spec.mamba is None or not kept or not (variant == "linear"
+                                              or falcon_h1.parallel(spec)):
+        return moments
+    names = [i.name for i in items]
+    if "mamba.out" not in names or "mamba.out_proj" not in names:
+        return moments
+    kept_names = {i.name for i in kept}
+    sizes = [i.size_bytes if i.name in kept_names else 0 for i in items]
+    at_scan = sum(sizes[names.index("mamba.out"):])
+    at_end = sum(sizes[names.index("mamba.out_proj") + 1:])
+    out, rerun = [], True
+    for m in moments:
+        # the rerun's moments come first ("rebuild_out", then each block's), the mixer's
+        # ending with "mamba" (out_proj's output), a name no backward moment has
+        if rerun and m.name in _MAMBA_SCAN_MOMENTS:
+            m = m._replace(alive_bytes=m.alive_bytes + at_scan)
+        elif rerun and m.name == "mamba":
+            m = m._replace(alive_bytes=m.alive_bytes + at_end)
+            rerun = False
+        out.append(m)
+    return tuple(out)
+
+
 @lru_cache(maxsize=1024)
 def _unsaved(wl: Workload) -> Workload:
     """``wl`` without its save list: one object per workload for ``_ops_forward``'s cache."""
@@ -1085,6 +1129,10 @@ def _ops_forward(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         # together (traced: GPT-2 narrowed keeping its gelu_new MLP, before 647,160 B under)
         mask = dm.rows * spec.hidden_size * MASK_BYTES if spec.dropout > 0 else 0
         drop = dm.rows * spec.hidden_size * dm.e + mask if mask else 0
+        # Falcon-H1's ``down_proj(y) * down_multiplier`` (FalconH1MLP.forward): the output and
+        # its product together (traced on transformers 5.23, fp32, 2 x 200 tokens keeping the
+        # MLP's outputs: the product was the forward's peak, one T h fp32 above before)
+        drop += dm.rows * spec.hidden_size * dm.e if falcon_h1.parallel(spec) else 0
         return _OpsForward(pairs, base + dm.rows * spec.hidden_size * dm.e + late + drop, (),
                            spec.parallel_block, core, held, mask)
     from memplan.model.moe import grouped_kept_moments, loop_kept_moments

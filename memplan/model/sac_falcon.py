@@ -45,12 +45,12 @@ from __future__ import annotations
 
 from memplan.model.dims import Dims, Term
 from memplan.model.mamba import Sizes, sizes
-from memplan.model.sac_mamba import _scan_ops
+from memplan.model.sac_mamba import _einsum_conv, _einsum_scan_ops, _scan_ops
 from memplan.model.sac_ops import (ACTIVATION, CONV, COPY, MATMUL, NORM, PRODUCT, RSQRT, SCALE,
                                    SHIFT, Item, _unkept, numbered)
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
-from memplan.workload import Workload
+from memplan.workload import MambaKernel, Workload
 
 BLOCK = "mamba"
 
@@ -78,7 +78,7 @@ def _gate_ops(z: Sizes, before: bool, low: bool, pure: bool, out: Item) -> list[
     return ops + [_unkept(PRODUCT, last, BLOCK), out if pure else _unkept(COPY, d, BLOCK)]
 
 
-def _mixer_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[Item]:
+def _mixer_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], einsum: bool) -> list[Item]:
     """torch_forward's ops after the ssm_in copy (module docstring), on one rank: in_proj's
     output T x W x e (2 h W FLOPs a token), its ``mup_vector`` product (the ``in_proj_out``
     term; W), the conv's and silu's (``sac_mamba.mamba_items``), the scan's, the gate's
@@ -91,15 +91,20 @@ def _mixer_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[Item]:
     pure = low and not dm.autocast
     out = Item("mamba.out", ("mamba.out",), terms["mamba.out"], float(z.d),
                COPY if low else PRODUCT, z.d, 0, BLOCK, False)
-    return [Item("mamba.in_proj", (), t * z.width * e, 2.0 * h * z.width, MATMUL, z.width, 0,
-                 BLOCK, True),
-            Item("mamba.mup", ("mamba.in_proj_out",), terms["mamba.in_proj_out"],
-                 float(z.width), PRODUCT, z.width, 0, BLOCK, False),
-            Item("mamba.conv_out", ("mamba.conv_out",), terms["mamba.conv_out"],
-                 2.0 * z.taps * z.conv, CONV, z.conv, 0, BLOCK, True),
-            Item("mamba.act", (), t * z.conv * e, float(z.conv), ACTIVATION, z.conv, 0, BLOCK,
-                 False)] + _scan_ops(z.p, z.n, z.h, low, pure) + _gate_ops(
-        z, spec.mamba.norm_before_gate, low, pure, out) + [
+    projected = [Item("mamba.in_proj", (), t * z.width * e, 2.0 * h * z.width, MATMUL,
+                      z.width, 0, BLOCK, True),
+                 Item("mamba.mup", ("mamba.in_proj_out",), terms["mamba.in_proj_out"],
+                      float(z.width), PRODUCT, z.width, 0, BLOCK, False)]
+    if einsum:  # transformers 5.23 (``sac_mamba._einsum_items``): x below fp32 unless the
+        # mup_vector product made it fp32 (under autocast)
+        scan = (_einsum_conv(z, terms, e, pure, dm.autocast, low and not z.mup_e, BLOCK)
+                + _einsum_scan_ops(z, low and not z.mup_e, dm.autocast, BLOCK))
+    else:
+        scan = [Item("mamba.conv_out", ("mamba.conv_out",), terms["mamba.conv_out"],
+                     2.0 * z.taps * z.conv, CONV, z.conv, 0, BLOCK, True),
+                Item("mamba.act", (), t * z.conv * e, float(z.conv), ACTIVATION, z.conv, 0,
+                     BLOCK, False)] + _scan_ops(z.p, z.n, z.h, low, pure)
+    return projected + scan + _gate_ops(z, spec.mamba.norm_before_gate, low, pure, out) + [
         Item("mamba.out_proj", (), t * h * e, 2.0 * z.d * h, MATMUL, h, 0, BLOCK, False)]
 
 
@@ -150,14 +155,14 @@ def falcon_layer_ops(spec: ModelSpec, wl: Workload, dm: Dims, saved: tuple[Term,
     """A Falcon-H1 layer's ops a policy counts, in execution order (the module docstring),
     composed from ``generic`` (``sac_ops.layer_ops``' for the same spec: its norms', its
     attention's and its MLP's). ``saved``: what the layer saves without recompute."""
-    del wl
     terms = {t.name: t.size_bytes for t in saved}
     h = spec.hidden_size
     out = [i for i in generic if i.block == "attn_norm"]
     if not dm.autocast:  # the ssm_in copy is the norm's output term (its item: ``_copy``)
         out = [_norm_product(i) for i in out if i.name != "attn_norm.output" or i.op != NORM]
     out += [_copy("attn_norm.output", "attn_norm.output", "attn_norm", terms, h, dm)]
-    out += _mixer_ops(spec, dm, terms) + [_unkept(SCALE, h, BLOCK)]
+    out += _mixer_ops(spec, dm, terms, wl.mamba_kernel is MambaKernel.TORCH_EINSUM)
+    out += [_unkept(SCALE, h, BLOCK)]
     out += [_copy("attn.input_copy", "attn.input_copy", "attn", terms, h, dm)]
     out += _attention_ops(spec, [i for i in generic if i.block == "attn"])
     out += [i for i in generic if i.block == "mlp_norm"]

@@ -40,18 +40,49 @@ are the attention layers' (``sac_ops.layer_ops``); an MoE block's items (Granite
 Small: GraniteMoeHybridMoE, then the shared MLP) follow the layer's ops as in an attention
 layer (``memplan.model.layer.ops_items``: ``sac_moe.moe_items``, counted after them; traced:
 tests/traced/test_sac_policy.py).
+
+transformers 5.23 (``mamba_kernel`` torch-einsum: ``memplan.model.mamba_einsum``) runs the
+mixer through ``causal_conv1d_fn``'s and ``mamba2_chunk_scan``'s torch fallbacks
+(models/granitemoehybrid/modeling_granitemoehybrid.py ``GraniteMoeHybridMambaLayer.forward``)
+with the same items between other ops (``_einsum_items``; read off traces of 5.23's own
+mixers: tests/data/traces/mamba_einsum/sac_keys-5.23.json)::
+
+    projected_states = self.in_proj(input_states)        # mm, W: mamba.in_proj
+    A = -torch.exp(self.A_log.float())                   # (16-bit weights) copy, H
+    out = F.conv1d(x.to(weight.dtype), ...)[..., :s]     # (autocast: casts) convolution, C:
+                                                         # mamba.conv_out
+    out = silu(out).to(x.dtype)                          # silu of (b, C, s): act, s wide:
+                                                         # mamba.act
+    dt = clamp(softplus(dt + dt_bias.to(dt.dtype)))      # (autocast) copy H; clamp, H
+    x, B, C = x.float(), B.float(), C.float()            # (below fp32) copy P, n, n
+    D_residual = D[..., None] * pad(x)                   # mul, P
+    x = x * dt[..., None].float(); A = A * dt.float()    # copy 1, mul P, copy H, mul H
+    G = einsum(C, B); M = G * L                          # bmm, c; mul, H
+    Y_diag = einsum(M, x)                                # bmm, P
+    B_decay = B * decay; states = einsum(B_decay, x)     # mul, n; bmm, n
+    states = cat([zeros, states], dim=1)                 # cat, n
+    new_states = einsum(decay_chunk, states)             # bmm, P n
+    C_times_states = einsum(C, states); Y_off = ... * decay_out   # bmm, P; mul, P
+    norm(y, gate): gate.to(float32) (copy d, below fp32), silu d, y * silu d, + eps (shift 1),
+        rsqrt 1, * rsqrt d / G (GraniteMoeHybridRMSNormGated's group_size), weight * d
+    out_proj(scan_output.to(dtype))                      # copy d (below fp32): mamba.out; mm h
+
+Under autocast each einsum's bmm casts its operands first (``_einsum_scan_ops``). Falcon-H1's
+fp32 ``mup_vector`` product under autocast leaves x, B, C and dt in fp32 (no copies), and
+silu's bf16 output is cast back to it (copy s).
 """
 
 from __future__ import annotations
 
 from memplan.model.dims import Dims, Term
-from memplan.model.mamba import Mamba, sizes
+from memplan.model.mamba import Mamba, Sizes, sizes
 from memplan.model.sac_mla import CAT
-from memplan.model.sac_ops import (ACTIVATION, CONV, COPY, MATMUL, PRODUCT, RSQRT, SHIFT, Item,
-                                   _fp32_ops, _norm_ops, _norms_nameable, _unkept, numbered)
+from memplan.model.sac_ops import (ACTIVATION, BMM, CLAMP, CONV, COPY, MATMUL, PRODUCT, RSQRT,
+                                   SHIFT, Item, _fp32_ops, _norm_ops, _norms_nameable, _unkept,
+                                   numbered)
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
-from memplan.workload import Workload
+from memplan.workload import MambaKernel, Workload
 
 # the block that runs the items (``memplan.model.mamba.Mamba.name``)
 _BLOCK = "attn"
@@ -83,6 +114,79 @@ def _norm_and_out(d: int, low: bool, pure: bool, out_bytes: int) -> list[Item]:
     return ops + [_unkept(PRODUCT, d, _BLOCK), out if pure else _unkept(COPY, d, _BLOCK)]
 
 
+def _einsum_scan_ops(z: Sizes, low: bool, cast: bool, block: str = _BLOCK) -> list[Item]:
+    """5.23's ``mamba2_chunk_scan``'s ops a policy counts (module docstring), on one rank;
+    ``low``: x, B, C and dt below fp32 (16-bit weights, or in_proj's output under autocast),
+    upcast; ``cast``: under autocast, where each einsum's bmm casts its two operands (the
+    chunks' decay alone for the passed states', C alone for C_times_states'), and where dt
+    is below fp32 dt_bias is cast to its dtype."""
+    def ops(op: str, *widths: int) -> list[Item]:
+        return [_unkept(op, w, block) for w in widths]
+
+    def bmm(width: int, *casts: int) -> list[Item]:
+        return ops(COPY, *casts) * cast + ops(BMM, width)
+
+    p, n, h = z.p, z.n, z.h
+    return (ops(COPY, h) * (low and cast) + ops(CLAMP, h) + ops(COPY, p, n, n) * low
+            + ops(PRODUCT, p) + ops(COPY, 1) * low + ops(PRODUCT, p) + ops(COPY, h) * low
+            + ops(PRODUCT, h) + bmm(z.c, z.c, n) + ops(PRODUCT, h) + bmm(p, p, z.c)
+            + ops(PRODUCT, n) + bmm(n, n, z.c) + ops(CAT, n) + bmm(p * n, z.chunks + 1)
+            + bmm(p, n) + ops(PRODUCT, p))
+
+
+def _einsum_conv(z: Sizes, terms: dict[str, int], e: int, pure: bool, cast: bool,
+                 upcast: bool, block: str = _BLOCK) -> list[Item]:
+    """5.23's ops from A's cast to silu's (module docstring): A_log's fp32 copy (16-bit
+    weights); under autocast ``x.to(weight.dtype)`` where x is below fp32 (``upcast``) and
+    autocast's casts of the conv's bias, weight and input; the conv (``mamba.conv_out``);
+    silu of (b, C, s) (``mamba.act``, s wide); under autocast where x is fp32 (Falcon-H1's
+    ``mup_vector`` product) silu's output cast back to it."""
+    conv = [_unkept(COPY, w, block) for w in (z.s,) * upcast + (z.conv, z.taps, z.s)] * cast
+    return ([_unkept(COPY, z.h, block)] * pure + conv
+            + [Item("mamba.conv_out", ("mamba.conv_out",), terms["mamba.conv_out"],
+                    2.0 * z.taps * z.conv, CONV, z.conv, 0, block, True),
+               Item("mamba.act", (), z.tokens * z.conv * e, float(z.conv), ACTIVATION, z.s,
+                    0, block, False)]
+            + [_unkept(COPY, z.s, block)] * (cast and not upcast))
+
+
+def _einsum_norm(z: Sizes, low: bool, pure: bool, out_bytes: int) -> list[Item]:
+    """5.23's GraniteMoeHybridRMSNormGated on the fp32 scan output (module docstring), its
+    ``* rsqrt`` d / G wide (group_size: d / n_groups), then out_proj's input: below fp32
+    ``.to(dtype)``, the item ``mamba.out`` (16-bit weights; under autocast the stream's
+    dtype, no op, then out_proj's casts of its input and weight, counted, no item); in fp32
+    the weight's product is the item."""
+    d = z.d
+    ops = [_unkept(COPY, d, _BLOCK)] * low + [
+        _unkept(ACTIVATION, d, _BLOCK), _unkept(PRODUCT, d, _BLOCK), _unkept(SHIFT, 1, _BLOCK),
+        _unkept(RSQRT, 1, _BLOCK), _unkept(PRODUCT, d // z.g, _BLOCK)]
+    out = Item("mamba.out", ("mamba.out",), out_bytes, float(d), COPY if low else PRODUCT, d,
+               0, _BLOCK, False)
+    if not low:
+        return ops + [out]
+    return ops + [_unkept(PRODUCT, d, _BLOCK)] + (
+        [out] if pure else [_unkept(COPY, d, _BLOCK), _unkept(COPY, d, _BLOCK)])
+
+
+def _einsum_items(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[Item]:
+    """``mamba_items`` on transformers 5.23's einsum scan (module docstring)."""
+    assert spec.mamba is not None
+    z = sizes(spec.mamba, dm)
+    h, t, e = spec.hidden_size, dm.tokens, dm.e
+    low = e < FP32_BYTES
+    pure = low and not dm.autocast
+    # (under autocast no one saves in_proj's output: a local to the mixer's end,
+    # ``mamba_einsum.scan_terms``; kept, its own bytes)
+    proj = () if dm.autocast else ("mamba.in_proj_out",)
+    return ([Item("mamba.in_proj", proj, t * z.width * e, 2.0 * h * z.width, MATMUL, z.width,
+                  0, _BLOCK, False)]
+            + _einsum_conv(z, terms, e, pure, dm.autocast, low)
+            + _einsum_scan_ops(z, low, dm.autocast)
+            + _einsum_norm(z, low, pure, terms["mamba.out"])
+            + [Item("mamba.out_proj", (), t * h * e, 2.0 * z.d * h, MATMUL, h, 0, _BLOCK,
+                    False)])
+
+
 def mamba_items(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int]) -> list[Item]:
     """The mixer's ops in execution order, on one rank (W = 2 d + 2 G n + H in_proj's
     output, C = d + 2 G n the conv's channels, K taps, T tokens, e the compute dtype's
@@ -91,6 +195,8 @@ def mamba_items(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int]) 
     out_proj's input T x d x e (d) and output T x h x e (2 d h; a row-parallel output is the
     full partial sum on each rank)."""
     assert spec.mamba is not None
+    if wl.mamba_kernel is MambaKernel.TORCH_EINSUM:
+        return _einsum_items(spec, dm, terms)
     z = sizes(spec.mamba, dm)
     h, t, e = spec.hidden_size, dm.tokens, dm.e
     low = e < FP32_BYTES

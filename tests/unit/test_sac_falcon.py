@@ -229,44 +229,45 @@ def test_plan_searches_save_lists() -> None:
         pass
 
 
-def test_plan_auto_searches_the_levels_where_ops_are_not_modelled() -> None:
-    """On the einsum scan (falcon-h1's default ``mamba_kernel``, not modelled op by op)
-    ``plan --recompute auto`` answers rather than refusing: it searches the whole recompute
-    levels, which is the search of a plan with no recompute fixed, candidate for candidate,
-    and says so in its notes, naming the kernel."""
+def test_plan_auto_searches_save_lists_on_the_einsum_scan() -> None:
+    """On the einsum scan (falcon-h1's default ``mamba_kernel``, transformers 5.23's forward,
+    modelled op by op: ``sac_mamba._einsum_items``) ``plan --recompute auto`` searches save
+    lists: no note of levels searched instead, and candidates that keep a list the estimate
+    accepts."""
     auto = plan(FALCON, gpus=8, recompute="auto", top=3)
     levels = plan(FALCON, gpus=8, top=3)
-    assert auto.candidates and levels.notes == []
-    assert [(c.layout, c.micro_batch_size, c.recompute, c.recompute_layers, c.peak_bytes)
-            for c in auto.candidates] == \
-        [(c.layout, c.micro_batch_size, c.recompute, c.recompute_layers, c.peak_bytes)
-         for c in levels.candidates]
-    assert len(auto.notes) == 1
-    assert "mamba_kernel torch-einsum" in auto.notes[0]
-    assert "searched the whole recompute levels" in auto.notes[0]
+    assert auto.candidates and auto.notes == [] and levels.notes == []
+    ops = [c for c in auto.candidates if c.recompute == "ops"]
+    assert ops and all(c.recompute_save for c in ops)
+    assert all("mamba.act" in c.recompute_save or "mamba.in_proj" in c.recompute_save
+               for c in ops)
 
 
 def test_estimate_auto_takes_the_levels_where_ops_are_not_modelled() -> None:
-    """``estimate --recompute auto`` on the einsum scan does what ``plan`` does there: of the
-    whole levels in plan's order (none, selective, full on an eighth ... seven eighths of the
-    36 layers: 4, 9, 13, 18, 22, 27, 31, full) the first that fits, here (24 GiB, micro-batch
-    1) full on 18 layers, each level estimated on its own below; with a note naming the
-    kernel and the level. Where only full recompute fits (micro-batch 4) it is full on every
-    layer; where nothing fits (16 GiB, micro-batch 8), full, and the note says none fits."""
-    kw = dict(gpus=8, gpu_memory="24GiB", micro_batch_size=1)
+    """``estimate --recompute auto`` where the layer's ops are not modelled (Qwen3-Next's
+    gated DeltaNet layers) does what ``plan`` does there: of the whole levels in plan's order
+    (none, selective, full on an eighth ... seven eighths of the 48 layers: 6, 12, 18, 24,
+    30, 36, 42, full) the first that fits, here (64 GPUs, ZeRO-3, 60 GiB, micro-batch 1)
+    full on 24 layers, each level estimated on its own below; with a note naming the refusal
+    and the level. Where only full recompute fits (micro-batch 3) it is full on every layer;
+    where nothing fits (30 GiB, micro-batch 8), full, and the note says none fits."""
+    model = "qwen3-next-80b-a3b"
+    kw = dict(gpus=64, zero=3, gpu_memory="60GiB", micro_batch_size=1)
     levels = [("none", None), ("selective", None),
-              *(("full", 36 * q // 8) for q in range(1, 8)), ("full", None)]
-    fits = [estimate(FALCON, **kw, recompute=r, recompute_layers=k).fits for r, k in levels]
-    assert fits.index(True) == 5 and levels[5] == ("full", 18)
-    auto = estimate(FALCON, **kw, recompute="auto")
-    by_hand = estimate(FALCON, **kw, recompute="full", recompute_layers=18)
-    assert (auto.workload.recompute.value, auto.workload.recompute_layers) == ("full", 18)
+              *(("full", 48 * q // 8) for q in range(1, 8)), ("full", None)]
+    fits = [estimate(model, **kw, recompute=r, recompute_layers=k).fits for r, k in levels]
+    assert fits.index(True) == 5 and levels[5] == ("full", 24)
+    auto = estimate(model, **kw, recompute="auto")
+    by_hand = estimate(model, **kw, recompute="full", recompute_layers=24)
+    assert (auto.workload.recompute.value, auto.workload.recompute_layers) == ("full", 24)
     assert auto.peak_bytes == by_hand.peak_bytes and auto.fits
     note = auto.assumptions[-1]
-    assert "torch-einsum" in note and note.endswith(": full on 18 layers of each stage")
-    four = estimate(FALCON, **{**kw, "micro_batch_size": 4}, recompute="auto")
-    assert (four.workload.recompute.value, four.workload.recompute_layers) == ("full", None)
-    none = estimate(FALCON, gpus=8, gpu_memory="16GiB", micro_batch_size=8, recompute="auto")
+    assert "linear-attention layers" in note and note.endswith(
+        ": full on 24 layers of each stage")
+    three = estimate(model, **{**kw, "micro_batch_size": 3}, recompute="auto")
+    assert (three.workload.recompute.value, three.workload.recompute_layers) == ("full", None)
+    none = estimate(model, gpus=64, zero=3, gpu_memory="30GiB", micro_batch_size=8,
+                    recompute="auto")
     assert not none.fits and none.assumptions[-1].endswith("(none fits: full recompute of "
                                                            "every layer)")
 

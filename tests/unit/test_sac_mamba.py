@@ -118,14 +118,19 @@ def test_emitted_policies() -> None:
             emit_for(target, est)
 
 
-@pytest.mark.parametrize(("model", "options", "why"), [
-    (None, {"mamba_kernel": "torch-einsum"}, "mamba_kernel torch-einsum")])
-def test_refused(model: str | None, options: dict, why: str) -> None:
-    """transformers 5.23's einsum scan: not modelled, refused by name (Falcon-H1's gated norm,
-    mamba_rms_norm, is modelled: tests/unit/test_sac_falcon.py)."""
-    spec = load_model(model) if model else GRANITE_H
-    with pytest.raises(LayoutError, match=why):
-        estimate(spec, **{**KW, **options}, recompute="ops")
+def test_einsum_scan_policy_by_hand() -> None:
+    """transformers 5.23's forward (mamba_kernel torch-einsum: ``sac_mamba._einsum_items``):
+    ``causal_conv1d_fn``'s silu runs on the conv's (b, C, s) output, so its key is s = 1,024
+    wide, the shared MLP's silu's width too (f = 1,024): the mixer's is the first of two;
+    out_proj's input is the layer's second cast d = 48 x 64 = 3,072 wide (the gated norm's
+    ``gate.to(float32)`` first). No item is a bmm, so the scan's einsums are not counted."""
+    est = estimate(GRANITE_H, **{**KW, "mamba_kernel": "torch-einsum"}, recompute="ops",
+                   recompute_save="mamba:mamba.act,mamba:mamba.out")
+    space: dict = {}
+    exec(compile(emit_for("torch", est), "<policy>", "exec"), space)  # noqa: S102
+    assert space["SAVE"] == {("act", 1024, 0), ("copy", 3072, 1)}
+    assert space["PER_LAYER"][("act", 1024)] == 2 and space["PER_LAYER"][("copy", 3072)] == 2
+    assert not any(op == "bmm" for op, _ in space["PER_LAYER"])
 
 
 def test_the_scan_reruns_whatever_is_kept() -> None:

@@ -118,11 +118,9 @@ def test_assumption_names_the_experts_rerun() -> None:
     assert "the experts' down projection reruns" in line and "dense MLP" not in line
 
 
-@pytest.mark.parametrize(("options", "why"), [
-    ({"moe_impl": "loop"}, "moe_impl loop"),
-    ({"mamba_kernel": "torch-einsum"}, "mamba_kernel torch-einsum")])
+@pytest.mark.parametrize(("options", "why"), [({"moe_impl": "loop"}, "moe_impl loop")])
 def test_still_refused(options: dict, why: str) -> None:
-    """The experts' loop and transformers 5.23's einsum scan stay refused, by name."""
+    """The experts' loop stays refused, by name."""
     with pytest.raises(LayoutError, match=why):
         estimate(GRANITE_H, **{**KW, **options}, recompute="ops")
 
