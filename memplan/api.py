@@ -236,7 +236,12 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
         wl, notes = _auto_level(spec, gpu_spec, par, wl, capacity, overheads, schedule,
                                 fit_reserved, why)
     elif auto:
-        wl = _auto_save(spec, gpu_spec, par, wl, capacity, overheads, schedule, fit_reserved)
+        none = _auto_none(spec, gpu_spec, par, wl, capacity, overheads, schedule, fit_reserved)
+        if none is not None:
+            wl, notes = none, (AUTO_NONE_NOTE,)
+        else:
+            wl = _auto_save(spec, gpu_spec, par, wl, capacity, overheads, schedule,
+                            fit_reserved)
     est = _estimate(spec, gpu_spec, par, wl, capacity_bytes=capacity,
                     overheads=overheads,
                     schedule=schedule)
@@ -252,6 +257,32 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
 
 # ``recompute="auto"``: op-level checkpointing with the save set chosen to fit
 AUTO = "auto"
+
+
+# ``recompute="auto"`` where no recompute fits: the least recompute of all (every op's output
+# kept, the scans and norm tensors no policy names too), read by ``memplan.report.sac_policy``
+AUTO_NONE_NOTE = ("recompute auto: no recompute fits, the least recompute of all (every "
+                  "layer keeps all it saves, what no policy names included): no layer is "
+                  "checkpointed")
+
+
+def _auto_none(spec: ModelSpec, gpu: GpuSpec, par: Any, wl: Workload, capacity: int | None,
+               overheads: Overheads | None, schedule: Schedule,
+               fit_reserved: str | None) -> Workload | None:
+    """``wl`` without recompute where that fits (and, with ``fit_reserved``, fits once the
+    allocator is replayed: ``_reserved_excess``), else None: not checkpointing a layer
+    recomputes nothing, less than any save set, whose layers rerun what no policy names (a
+    Mamba2 mixer's scan, a norm's tensors of implementation-dependent ops)."""
+    none = wl.model_copy(update={"recompute": Recompute.NONE, "recompute_save": ()})
+    try:
+        est = _estimate(spec, gpu, par, none, capacity_bytes=capacity, overheads=overheads,
+                        schedule=schedule)
+    except MemplanError:  # (a layout or framework that refuses no recompute)
+        return None
+    if not est.fits or (fit_reserved is not None
+                        and _reserved_excess(est, fit_reserved) is not None):
+        return None
+    return none
 
 
 def _auto_save(spec: ModelSpec, gpu: GpuSpec, par: Any, wl: Workload, capacity: int | None,
@@ -494,8 +525,11 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     _check_fixed(spec, gpus, tp, pp, cp)
     policies = None
     if recompute is not None:  # auto: op-level checkpointing, the save set chosen per fit
-        policies = [Recompute.parse("ops" if r == AUTO else r)
-                    for r in arguments.strings("recompute", recompute)]
+        # auto: op-level save sets, and no recompute where that fits (``_auto_none``)
+        policies = [p for r in arguments.strings("recompute", recompute)
+                    for p in ((Recompute.NONE, Recompute.OPS) if r == AUTO
+                              else (Recompute.parse(r),))]
+        policies = list(dict.fromkeys(policies))
     fw = presets.parse(workload.pop("framework", None))
     refused = presets.refused_recompute(fw)
     if refused:  # search only what the framework offers; refuse what it does not, by name

@@ -125,8 +125,8 @@ Seq = Annotated[Optional[int], typer.Option(
     rich_help_panel=_WORKLOAD)]
 RecomputeOpt = Annotated[RecomputeChoice, typer.Option(
     "--recompute", help="none; selective (attention core); full (layer inputs only); ops "
-    "(each layer keeps its input and --recompute-save's ops); auto (ops, the save set of "
-    "least recompute that fits).",
+    "(each layer keeps its input and --recompute-save's ops); auto (none where that fits, "
+    "else ops with the save set of least recompute that fits).",
     rich_help_panel=_WORKLOAD)]
 RecomputeSave = Annotated[Optional[str], typer.Option(
     "--recompute-save", help="With --recompute ops: comma list of what each layer keeps "

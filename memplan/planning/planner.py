@@ -402,6 +402,8 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
                                            wl.te_gemm_workspace, wl.te_ub_workspace),
                    capacity)
     allowed = _expressible(spec, wl, tuple(recompute or RECOMPUTE_ORDER), result.notes)
+    if Recompute.OPS in allowed and Recompute.NONE in allowed:
+        ctx.per_layout = frozenset({Recompute.OPS, Recompute.NONE})
     policies = [_policies(allowed, _fewest_layers(spec.num_layers, p.pp, p.vpp, p.stage_layers))
                 for p in pars]
     workers = jobs() if reserved and _AHEAD[0] is None else 1
@@ -626,6 +628,9 @@ class _Context:
     # most loaded rank's) and by (layout, workload, micro-batches) (``_with_stage_sets``: every
     # stage's): a search again chooses many of the same sets
     ops_peaks: dict = field(default_factory=dict)
+    # the policies of which a layout's fastest micro-batch alone is a candidate: op-level
+    # checkpointing's, and under ``recompute auto`` no recompute's too (``_ranked``)
+    per_layout: frozenset = frozenset({Recompute.OPS})
 
     def workload(self, policy: tuple[Recompute, int | None]) -> Workload:
         return _policy_workload(self.wl, *policy)
@@ -1120,7 +1125,7 @@ def _ranked(ctx: _Context, fits: list[_Fit]) -> list[Candidate]:
     seen: set[ParallelConfig] = set()  # op-level checkpointing: a layout's fastest micro-batch
     kept = []
     for c in out:
-        if c.recompute is Recompute.OPS:
+        if c.recompute in ctx.per_layout:
             if c.layout in seen:
                 continue
             seen.add(c.layout)

@@ -407,6 +407,10 @@ def emit_for(target: str, est: object) -> str:
     spec, wl = est.spec, est.workload
     if target not in TARGETS:
         raise MemplanError(f"emit-policy must be one of {', '.join(TARGETS)}, got {target!r}")
+    from memplan.api import AUTO_NONE_NOTE
+
+    if wl.recompute is Recompute.NONE and AUTO_NONE_NOTE in est.notes:
+        return no_recompute(target, spec, est.parallel, wl)
     if wl.recompute is not Recompute.OPS:
         raise MemplanError(f"emit-policy needs recompute ops or auto, got recompute "
                            f"{wl.recompute.value}")
@@ -437,6 +441,51 @@ def emit_for(target: str, est: object) -> str:
         save = ",".join(wl.recompute_save)
     return emit(target, spec, items, kept, _command(spec, par, wl, save, layers is not None),
                 layers, unkept)
+
+
+def no_recompute(target: str, spec: ModelSpec, par, wl) -> str:
+    """``recompute auto`` where no recompute fits (``memplan.api._auto_none``), in
+    ``target``'s terms: torch, a module whose policy saves every op (for a loop that wraps
+    its layers anyway: the checkpoint then holds each layer's input beside what it saves,
+    one residual-sized tensor a layer more than leaving them unwrapped); torchtitan 0.3.0,
+    no activation checkpointing (``Trainer.Config.activation_checkpoint`` None, its "none"
+    subcommand); Megatron-LM, no ``--recompute-granularity``."""
+    command = (f"memplan estimate -m {spec.name} -n {par.world_size} "
+               f"--mbs {wl.micro_batch_size} --seq {wl.seq_len} "
+               f"--precision {wl.precision.value} --recompute none")
+    why = "no recompute fits: every layer keeps all it saves"
+    if target == "torchtitan":
+        return (f"# torchtitan 0.3.0 for {spec.name} ({why}). Made by: {command}\n"
+                "activation_checkpoint = None  # Trainer.Config: no activation checkpointing\n")
+    if target == "megatron":
+        return (f"# Megatron-LM for {spec.name} ({why}). Made by: {command}\n"
+                "no recompute (no --recompute-granularity)\n")
+    return f'''"""Activation checkpointing for {spec.name}: none ({why}).
+
+Made by: {command}
+Leave the decoder layers unwrapped. A loop that wraps them anyway with
+    torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False,
+                                      context_fn=context_fn(layer_index))
+recomputes nothing with this policy (it saves every op's output); the checkpoint then also
+holds each layer's input, one residual-sized tensor a layer more than unwrapped.
+"""
+import functools
+
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+NUM_LAYERS = {spec.num_layers}
+
+
+def policy_fn(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE
+
+
+policy_fns = [policy_fn] * NUM_LAYERS
+
+
+def context_fn(layer_index):
+    return functools.partial(create_selective_checkpoint_contexts, policy_fns[layer_index])
+'''
 
 
 def _command(spec: ModelSpec, par, wl, save: str, staged: bool) -> str:

@@ -195,12 +195,12 @@ def test_mixed_torch_policy_per_layer_index() -> None:
 
 
 def test_mixed_plan_auto() -> None:
-    """plan --recompute auto on the model of dense and MoE layers (2 GPUs, 1,024 tokens,
-    490 MB): each candidate keeps a list per kind, its estimate with that list fits and peaks
-    where the plan says."""
+    """plan --recompute ops (auto's save-set search) on the model of dense and MoE layers (2
+    GPUs, 1,024 tokens, 490 MB): each candidate keeps a list per kind, its estimate with that
+    list fits and peaks where the plan says."""
     from memplan.api import plan
 
-    result = plan(MIXED, gpus=2, seq_len=1024, recompute=["auto"], top=3, reserved=False,
+    result = plan(MIXED, gpus=2, seq_len=1024, recompute=["ops"], top=3, reserved=False,
                   gpu_memory="490MB", moe_impl="grouped", global_batch_size=16)
     assert result.candidates
     for c in result.candidates:

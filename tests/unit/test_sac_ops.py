@@ -126,14 +126,22 @@ def test_choose_takes_the_most_bytes_that_fit() -> None:
 
 def test_auto_fits_and_keeps_the_most_it_can() -> None:
     """On a 7B layer at 4,096 tokens the auto choice fits each budget, and a larger budget
-    never reruns more."""
-    reruns = []
-    for memory in ("24GiB", "30GiB", "40GiB"):
+    never reruns more: a save set on 24 and 30 GiB (more kept on 30), no recompute at all on
+    40 GiB, where that fits (``api._auto_none``), said in the last assumption."""
+    kept = []
+    for memory in ("24GiB", "30GiB"):
         est = estimate("llama-2-7b", gpus=8, zero=3, seq_len=4096, gpu_memory=memory,
                        recompute="auto")
         assert est.fits and est.workload.recompute == "ops"
-        reruns.append(len(est.workload.recompute_save))
-    assert reruns == sorted(reruns) and reruns[0] < reruns[-1]
+        kept.append(len(est.workload.recompute_save))
+    assert kept[0] < kept[1]
+    est = estimate("llama-2-7b", gpus=8, zero=3, seq_len=4096, gpu_memory="40GiB",
+                   recompute="auto")
+    assert est.fits and est.workload.recompute == "none" and est.workload.recompute_save == ()
+    assert est.assumptions[-1].startswith("recompute auto: no recompute fits")
+    none = estimate("llama-2-7b", gpus=8, zero=3, seq_len=4096, gpu_memory="40GiB",
+                    recompute="none")
+    assert none.peak_bytes == est.peak_bytes
 
 
 def test_cli_unknown_name_one_line_exit_2(capsys) -> None:
@@ -144,13 +152,14 @@ def test_cli_unknown_name_one_line_exit_2(capsys) -> None:
 
 
 def test_plan_auto_ranks_save_sets_per_layout() -> None:
-    """plan --recompute auto: every candidate is op-level checkpointing with the save set
-    chosen at its micro-batch; its peak is the estimate's with that set, within the budget,
-    and a layout appears once (its fastest micro-batch)."""
+    """plan --recompute ops (auto's save-set search, without its no-recompute option): every
+    candidate is op-level checkpointing with the save set chosen at its micro-batch; its peak
+    is the estimate's with that set, within the budget, and a layout appears once (its
+    fastest micro-batch)."""
     from memplan.api import plan
 
     # the search's save sets (reserved=False: not re-fitted to the allocator's reserved peak)
-    result = plan("llama-2-7b", gpus=8, seq_len=4096, recompute=["auto"], top=3,
+    result = plan("llama-2-7b", gpus=8, seq_len=4096, recompute=["ops"], top=3,
                   reserved=False)
     assert result.candidates
     layouts = [c.layout for c in result.candidates]
@@ -163,15 +172,15 @@ def test_plan_auto_ranks_save_sets_per_layout() -> None:
 
 @pytest.mark.parametrize("model,gpus", [("tiny", 8), ("gpt2", 4)])
 def test_plan_auto_top_ten_are_the_full_search_first_ten(model: str, gpus: int) -> None:
-    """plan --recompute auto with --top 10 gives the full search's first ten candidates, and
-    ten of them: the search keeps a layout's fastest micro-batch only (``_ranked``), so its
-    pruning compares one time a layout (searched before: every micro-batch's time counted,
-    2 candidates of tiny's 24 and of gpt2's 64 given, the rest cut as slower than a top ten
-    of duplicates)."""
+    """plan --recompute ops (auto's save-set search) with --top 10 gives the full search's
+    first ten candidates, and ten of them: the search keeps a layout's fastest micro-batch
+    only (``_ranked``), so its pruning compares one time a layout (searched before: every
+    micro-batch's time counted, 2 candidates of tiny's 24 and of gpt2's 64 given, the rest
+    cut as slower than a top ten of duplicates)."""
     from memplan.api import plan
 
-    top = plan(model, gpus=gpus, top=10, recompute=["auto"], reserved=False)
-    full = plan(model, gpus=gpus, top=None, recompute=["auto"], reserved=False)
+    top = plan(model, gpus=gpus, top=10, recompute=["ops"], reserved=False)
+    full = plan(model, gpus=gpus, top=None, recompute=["ops"], reserved=False)
     assert len(top.candidates) == 10 and len(full.candidates) > 10
 
     def key(c):
@@ -468,7 +477,8 @@ def test_glm4_sandwich_norms_named_by_their_ops() -> None:
 
 
 def test_plan_auto_reserved_keeps_less_at_the_same_micro_batch() -> None:
-    """plan --recompute auto with the reserved check: an op-level candidate whose replayed
+    """plan --recompute ops (auto's save-set search) with the reserved check: an op-level
+    candidate whose replayed
     reserved peak is over the budget keeps less at the same micro-batch before its micro-batch
     is halved (``_retry_reserved``). llama-7b x 8, seq 4,096: the search's second and third
     (ZeRO 2 at micro-batch 2 keeping 16 items, ZeRO 3 at 4 keeping 11; tensor peaks 72.7 and
@@ -478,7 +488,7 @@ def test_plan_auto_reserved_keeps_less_at_the_same_micro_batch() -> None:
     from memplan.api import plan
     from memplan.model.reserved import reserved_rank
 
-    kwargs = dict(gpus=8, seq_len=4096, recompute=["auto"], top=3)
+    kwargs = dict(gpus=8, seq_len=4096, recompute=["ops"], top=3)
     raw = plan("llama-7b", reserved=False, **kwargs).candidates
     fit = plan("llama-7b", reserved=True, **kwargs)
     assert [reserved_rank(c.estimate).peak_bytes > fit.budget_bytes for c in raw] == \
@@ -529,12 +539,19 @@ def test_cli_auto_with_reserved_chooses_against_the_replay(capsys) -> None:
 
 
 def test_plan_auto_json_names_each_candidates_set(capsys) -> None:
-    """plan --recompute auto --json: each candidate's recompute is "ops" with the list it
-    keeps (checked against the published schema, which before had no "ops")."""
+    """plan --recompute ops --json: each candidate's recompute is "ops" with the list it
+    keeps (checked against the published schema, which before had no "ops"); --recompute
+    auto on the same tiny model fits without recompute (``api._auto_none``): "none", no
+    list."""
     import json
 
-    assert main(["plan", "-m", "tiny", "-n", "8", "--recompute", "auto", "--top", "2",
+    assert main(["plan", "-m", "tiny", "-n", "8", "--recompute", "ops", "--top", "2",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [c["recompute"] for c in out["candidates"]] == ["ops", "ops"]
     assert all(c["recompute_save"] for c in out["candidates"])
+    assert main(["plan", "-m", "tiny", "-n", "8", "--recompute", "auto", "--top", "2",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [c["recompute"] for c in out["candidates"]] == ["none", "none"]
+    assert not any(c.get("recompute_save") for c in out["candidates"])

@@ -116,13 +116,13 @@ def test_torch_policy_per_layer_index() -> None:
 
 
 def test_plan_auto_per_stage_fits() -> None:
-    """plan --recompute auto with pipeline layouts: each op-level candidate's estimate (its
-    list per stage) fits and peaks where the plan says."""
+    """plan --recompute ops (auto's save-set search) with pipeline layouts: each op-level
+    candidate's estimate (its list per stage) fits and peaks where the plan says."""
     from memplan.api import plan
 
     # the search's per-stage save sets (reserved=False: op-level sets are chosen against the
     # analytic peak, not re-chosen for the allocator's reserved peak)
-    result = plan("llama-2-7b", gpus=8, pp=2, seq_len=4096, recompute=["auto"], top=3,
+    result = plan("llama-2-7b", gpus=8, pp=2, seq_len=4096, recompute=["ops"], top=3,
                   gpu_memory="40GiB", reserved=False)
     assert result.candidates
     for c in result.candidates:
