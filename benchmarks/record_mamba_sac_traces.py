@@ -70,6 +70,7 @@ CASES = [
     ("granite-moe", {}, "fp32", 256,
      "mamba:moe.topk_weights,mamba:mamba.out,attn:moe.router,attn:moe.shared.gate_up"),
     ("falcon", {}, "bf16-pure", 256, "attention,mlp,mamba,norms"),
+    ("falcon", {}, "bf16-pure", 256, "attn_norm.output"),
     ("falcon", {}, "fp32", 256, "attention,mlp"),
     ("falcon", FALCON_2, "fp32", 200, "mlp"),
     ("falcon", FALCON_2, "fp32", 200, "attention,mlp"),

@@ -160,8 +160,16 @@ def falcon_layer_ops(spec: ModelSpec, wl: Workload, dm: Dims, saved: tuple[Term,
     out = [i for i in generic if i.block == "attn_norm"]
     if not dm.autocast:  # the ssm_in copy is the norm's output term (its item: ``_copy``)
         out = [_norm_product(i) for i in out if i.name != "attn_norm.output" or i.op != NORM]
-    out += [_copy("attn_norm.output", "attn_norm.output", "attn_norm", terms, h, dm)]
-    out += _mixer_ops(spec, dm, terms, wl.mamba_kernel is MambaKernel.TORCH_EINSUM)
+    ssm_in = _copy("attn_norm.output", "attn_norm.output", "attn_norm", terms, h, dm)
+    einsum = wl.mamba_kernel is MambaKernel.TORCH_EINSUM
+    if einsum and ssm_in.name:
+        # 5.23's FalconH1Mixer.forward rebinds ``hidden_states`` (the ssm_in copy) at the
+        # split: freed before the scan, so kept it adds to the mixer's working set, whose op
+        # it is (5.3's torch_forward holds ``input_states`` to its end; traced on 5.23, bf16,
+        # 2 x 256 tokens keeping it alone: one T h bf16 under the forward's peak before)
+        ssm_in = ssm_in._replace(block=BLOCK, own_extra=True)
+    out += [ssm_in]
+    out += _mixer_ops(spec, dm, terms, einsum)
     out += [_unkept(SCALE, h, BLOCK)]
     out += [_copy("attn.input_copy", "attn.input_copy", "attn", terms, h, dm)]
     out += _attention_ops(spec, [i for i in generic if i.block == "attn"])
