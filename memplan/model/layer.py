@@ -1044,8 +1044,9 @@ _MAMBA_SCAN_MOMENTS = frozenset({"ssd_diag", "ssd_states", "mamba.segsum", "mamb
                                  "mamba.scan_out", "mamba.norm"})
 
 
-def _cached_at_mamba_rerun(spec: ModelSpec, variant: str, moments: tuple[LayerMoment, ...], items: tuple[sac_ops.Item, ...],
-                           kept: tuple[sac_ops.Item, ...]) -> tuple[LayerMoment, ...]:
+def _cached_at_mamba_rerun(spec: ModelSpec, variant: str, moments: tuple[LayerMoment, ...],
+                           items: tuple[sac_ops.Item, ...], kept: tuple[sac_ops.Item, ...]
+                           ) -> tuple[LayerMoment, ...]:
     """A Mamba2 mixer's rerun moments (the first of the fully recomputed layer's moments,
     ``_rerun_moments``) with the kept outputs the rerun has not reached yet: torch/utils/
     checkpoint.py's ``_CachedTorchDispatchMode`` pops each cached output when its op reruns,

@@ -83,7 +83,9 @@ def _mixer_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], einsum: bool) -
     output T x W x e (2 h W FLOPs a token), its ``mup_vector`` product (the ``in_proj_out``
     term; W), the conv's and silu's (``sac_mamba.mamba_items``), the scan's, the gate's
     (``_gate_ops``), out_proj's input T x d x e (below fp32 the cast, else the product;
-    under autocast autocast's cast, no item; d) and output T x h x e (2 d h)."""
+    under autocast autocast's cast, no item; d) and output T x h x e (2 d h). ``einsum``:
+    transformers 5.23's forward (``mamba_kernel`` torch-einsum), whose conv, silu and scan
+    run other ops between the same items (``sac_mamba._einsum_conv``, ``_einsum_scan_ops``)."""
     assert spec.mamba is not None
     z = sizes(spec.mamba, dm)
     h, t, e = spec.hidden_size, dm.tokens, dm.e
