@@ -1026,9 +1026,12 @@ def resolve(items: tuple[Item, ...], save: tuple[str, ...], spec: ModelSpec,
             continue
         if name in GROUPS and (name != "mamba" or spec.mamba is not None):
             # (the Mamba2 mixer's items: Falcon-H1's block "mamba", Granite 4.0-H's in its
-            # mixer's layers' attention block, named mamba.*)
-            chosen |= {i.name for i in items if i.block in GROUPS[name]
-                       or name == "mamba" and i.name.startswith("mamba.")}
+            # mixer's layers' attention block, named mamba.*); a group keeps what a policy
+            # names of it: a norm's tensors from ops that differ by implementation (``NORM``,
+            # ``kept_refusal``) are recomputed, as the emitted policy does (``assumption``
+            # says which), where named one by one they are refused
+            chosen |= {i.name for i in items if (i.block in GROUPS[name]
+                       or name == "mamba" and i.name.startswith("mamba.")) and i.op != NORM}
             continue
         hits = {i.name for i in items if name == i.name or name in i.terms}
         if not hits:
@@ -1167,14 +1170,20 @@ def assumption(spec: ModelSpec, wl: Workload, kinds: dict[str, tuple[Item, ...]]
     where dense and MoE layers differ)."""
     def keeps(save: tuple[str, ...]) -> str:
         out = []
+        groups = {_split(n)[1] for n in save} & set(GROUPS)
         for kind, items in kinds.items():
             kept = resolve(items, save, spec, kind)
             every = sum(i.flops_per_token for i in items)
             rerun = rerun_flops_per_token(items, kept)
             names = ", ".join(i.name for i in kept) or "nothing"
+            # a group's norm tensors no policy names: recomputed (``resolve``)
+            left = [i.name for i in items if i.op == NORM and any(
+                i.block in GROUPS[g] for g in groups)]
             out.append((f"{kind} layers: " if len(kinds) > 1 else "")
                        + f"{names}; its backward reruns the rest, {rerun / every:.0%} of the "
-                       "keepable ops' FLOPs")
+                       "keepable ops' FLOPs" + (f" (of the groups named, {', '.join(left)}: "
+                                                "no op a policy names makes them)"
+                                                if left else ""))
         return "; ".join(out)
 
     stages = per_stage(wl.recompute_save, pp)

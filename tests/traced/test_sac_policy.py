@@ -605,7 +605,11 @@ NORMS_GRID = [("gemma-3-12b-pt", "bf16-pure", ""), ("gemma-3-12b-pt", "bf16-pure
                "attn_post_norm.normed,mlp_norm.stats,mlp_post_norm.normed,attention,mlp.gate,"
                "mlp.down"),
               ("OLMo-2-1124-7B", "bf16-pure",
-               "attn_post_norm.stats,attn_post_norm.normed,mlp_post_norm.normed,mlp")]
+               "attn_post_norm.stats,attn_post_norm.normed,mlp_post_norm.normed,mlp"),
+              # a group keeps what a policy names of it (sac_ops.resolve): the q/k norms'
+              # upcast-fp32 tensors recomputed, as the emitted policy does. Before, refused
+              ("OLMo-2-1124-7B", "bf16-pure", "attention"),
+              ("gemma-3-12b-pt", "bf16-pure", "attention,mlp")]
 _FULL_ROWS: dict = {}
 
 

@@ -105,10 +105,18 @@ def test_emitted_policy_keeps_no_cast() -> None:
     assert "copy" not in per_layer and "rsqrt" not in per_layer
 
 
-@pytest.mark.parametrize("save", ["norms", "attn_norm.output", "attn.q,mlp_norm.stats"])
+@pytest.mark.parametrize("save", ["attn_norm.output", "attn.q,mlp_norm.stats"])
 def test_norm_tensors_refused_under_autocast(save: str) -> None:
     with pytest.raises(LayoutError, match="a norm's tensors kept under autocast"):
         _stage(recompute="ops", recompute_save=save, precision="amp-bf16")
+
+
+def test_the_norms_group_under_autocast_keeps_nothing() -> None:
+    """Under autocast no norm tensor is an op a policy names: the ``norms`` group keeps none
+    of them (full recompute's saved bytes), where naming one is refused above."""
+    assert _stage(recompute="ops", recompute_save="norms", precision="amp-bf16"
+                  ).activations_bytes == _stage(recompute="full", precision="amp-bf16"
+                                                ).activations_bytes
 
 
 def test_down_projection_weight_cast_at_the_mlps_end() -> None:

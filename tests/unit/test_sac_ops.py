@@ -81,7 +81,7 @@ def test_save_list_needs_ops() -> None:
 def test_refused_where_not_modelled() -> None:
     with pytest.raises(MemplanError, match="recompute ops with a norm's tensors kept under "
                                            "autocast"):
-        _stage(recompute="ops", precision="amp-bf16", recompute_save="norms")
+        _stage(recompute="ops", precision="amp-bf16", recompute_save="attn_norm.output")
 
 
 def test_rerun_flops_by_hand() -> None:
@@ -247,7 +247,8 @@ def test_upcast_norms_are_named_by_their_ops() -> None:
     ({"norm_impl": "fused"}, "attn_norm.stats", "attn_norm.stats"),
     ({"precision": "fp32"}, "attn_norm.stats", "attn_norm.stats"),
     ({"norm_impl": "upcast-fp32"}, "attn_norm.normed,attn.q", "attn_norm.normed"),
-    ({"norm_impl": "upcast-fp32"}, "norms", "attn_norm.normed, mlp_norm.normed")])
+    ({"norm_impl": "upcast-fp32"}, "attn_norm.normed,mlp_norm.normed",
+     "attn_norm.normed, mlp_norm.normed")])
 def test_norm_tensors_no_policy_names_are_refused(fields: dict, save: str, refused: str) -> None:
     """A fused kernel's statistics, fp32's (its casts no ops: rsqrt's index is not the
     norm's alone), an upcast-fp32 norm's fp32 x * rstd (its index among the fp32 products
@@ -259,6 +260,26 @@ def test_norm_tensors_no_policy_names_are_refused(fields: dict, save: str, refus
                                           rf"names kept \({re.escape(refused)}\): ") as err:
         estimate("tiny", **TINY, **fields, recompute="ops", recompute_save=save)
     assert "\n" not in str(err.value)
+
+
+def test_a_group_keeps_what_a_policy_names_of_it() -> None:
+    """A group keeps the tensors of its blocks a policy names: ``norms`` under upcast-fp32
+    keeps each norm's input_fp32, stats, weight_fp32 and output but not its fp32 x * rstd
+    (``normed``, refused when named), which the emitted policy recomputes too; the
+    assumption line says so. The same list by name, without the two, gives the same
+    estimate."""
+    est = estimate("tiny", **TINY, norm_impl="upcast-fp32", recompute="ops",
+                   recompute_save="norms")
+    assert est.workload.recompute_save == ("norms",)
+    line = next(a for a in est.assumptions if a.startswith("recompute ops"))
+    assert "(of the groups named, attn_norm.normed, mlp_norm.normed: no op a policy names " \
+           "makes them)" in line
+    named = ",".join(f"{n}_norm.{t}" for n in ("attn", "mlp")
+                     for t in ("input_fp32", "stats", "weight_fp32", "output"))
+    by_name = estimate("tiny", **TINY, norm_impl="upcast-fp32", recompute="ops",
+                       recompute_save=named)
+    assert by_name.peak_bytes == est.peak_bytes
+    assert by_name.stages[0].activations_bytes == est.stages[0].activations_bytes
 
 
 def test_upcast_fp32_norms_are_named_by_their_casts() -> None:
