@@ -90,27 +90,14 @@ def _config(model: str, overrides: dict) -> dict:
 
 
 def _policy_key():
-    """The emitted torch policy's ``_key``, as the module ``emit`` writes defines it."""
-    import torch
+    """The emitted torch policy's ``_key`` (the same function whatever the model: taken from
+    the module emitted for the catalog's tiny model, ``memplan.profile.sac_policy``)."""
+    from memplan.api import make_workload
+    from memplan.profile.sac_policy import emitted_module
+    from memplan.spec import load_model
 
-    from memplan.model.sac_mla import CAT
-    from memplan.model.sac_ops import ATTENTION_KERNEL, CONV, MATMUL
-    from memplan.report import sac_policy
-
-    text = Path(sac_policy.__file__).read_text()
-    body = text[text.index("def _key(op, args):"):text.index("def make_policy_fn")]
-    for name, value in (("MATMUL", MATMUL), ("ATTENTION_KERNEL", ATTENTION_KERNEL),
-                        ("CONV", CONV), ("CAT", CAT)):
-        body = body.replace("{" + name + "}", value)
-    space = {"torch": torch, "_aten": torch.ops.aten,
-             "_SDPA": tuple(getattr(torch.ops.aten, n).default for n in (
-                 "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention",
-                 "_scaled_dot_product_flash_attention_for_cpu")
-                 if hasattr(torch.ops.aten, n))}
-    exec(body.replace("{{", "{").replace("}}", "}"), space)  # noqa: S102
-    return space["_key"]
+    spec = load_model("tiny")
+    return emitted_module(spec, make_workload(spec, recompute="ops"))["_key"]
 
 
 def layer_keys(config: dict, precision: str, b: int, s: int) -> list[tuple[str, int]]:

@@ -524,8 +524,9 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     arguments.model_fields(Workload, workload, arguments.LABELS)
     _check_fixed(spec, gpus, tp, pp, cp)
     policies = None
-    if recompute is not None:  # auto: op-level checkpointing, the save set chosen per fit
-        # auto: op-level save sets, and no recompute where that fits (``_auto_none``)
+    if recompute is not None:
+        # auto: op-level save sets, the set chosen per fit, and no recompute where that fits
+        # (``_auto_none``); a layout's fastest micro-batch of either (``planner._ranked``)
         policies = [p for r in arguments.strings("recompute", recompute)
                     for p in ((Recompute.NONE, Recompute.OPS) if r == AUTO
                               else (Recompute.parse(r),))]
