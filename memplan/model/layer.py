@@ -902,11 +902,9 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     peak = ops_forward_peak(_ops_forward(spec, base, dm, moe, variant), items, kept)
     return full._replace(terms=full.terms + terms, saved_bytes=full.saved_bytes + total(terms),
                          forward_peak_bytes=peak, forward_blocks=(),
-                         moments=_cached_at_mamba_rerun(
-                             spec, variant, _cached_at_rerun(
-                                 spec, wl, dm, _clamped_rerun(spec, wl, dm, _cached_ahead(
-                                     spec, wl, full.moments, kept), items, kept), items, kept),
-                             items, kept))
+                         moments=_cached_at_rerun(
+                             spec, wl, dm, variant, _clamped_rerun(spec, wl, dm, _cached_ahead(
+                                 spec, wl, full.moments, kept), items, kept), items, kept))
 
 
 @lru_cache(maxsize=1024)
@@ -1005,35 +1003,36 @@ def _gelu_new_rerun(spec: ModelSpec, dm: Dims, moments: tuple[LayerMoment, ...],
                                   dm.stream(spec.hidden_size) + chain, ()),)
 
 
-def _cached_at_rerun(spec: ModelSpec, wl: Workload, dm: Dims, moments: tuple[LayerMoment, ...],
-                     items: tuple[sac_ops.Item, ...], kept: tuple[sac_ops.Item, ...]
-                     ) -> tuple[LayerMoment, ...]:
-    """An eager core's rerun moment (``Attention.rebuild_moments``: "rebuild") with the kept
-    outputs the rerun has not reached yet: torch/utils/checkpoint.py's
-    ``_CachedTorchDispatchMode`` pops each cached output when its op reruns, so the outputs
-    of the ops after the core (the context, the output projection, the later blocks') are
-    still held by the cache there (traced: Llama narrowed, eager, the MLP kept: the rerun's
-    softmax beside the layer's four cached MLP outputs, 454,272 B above the estimate). With
-    a 16-bit input the rerun's softmax (``attention.eager_rerun_softmax``) is a moment of its
-    own there."""
+def _cached_at_rerun(spec: ModelSpec, wl: Workload, dm: Dims, variant: str,
+                     moments: tuple[LayerMoment, ...], items: tuple[sac_ops.Item, ...],
+                     kept: tuple[sac_ops.Item, ...]) -> tuple[LayerMoment, ...]:
+    """The fully recomputed layer's rerun moments (the first of its moments,
+    ``_rerun_moments``: "rebuild_out", then each block's in order) with the kept outputs the
+    rerun has not reached there: torch/utils/checkpoint.py's ``_CachedTorchDispatchMode`` pops
+    each cached output when its op reruns, so at a block's rerun moment the cache still holds
+    the kept outputs of the items from the first op not rerun yet on (``_rerun_ahead``: the
+    block's later ops', the later blocks'). Traced: Llama narrowed, eager, the MLP kept: the
+    rerun's softmax beside the layer's four cached MLP outputs, 454,272 B above the estimate
+    before; Granite 4.0-H narrowed on transformers 5.23, bf16, 2 x 512 tokens, the MLP norm's
+    four tensors kept: the rerun's scan output beside them the backward's peak, 353,280 B
+    above before. With a 16-bit input an eager core's rerun softmax (``attention.
+    eager_rerun_softmax``) is a moment of its own, beside the cast and dropout after it."""
     moments = _gelu_new_rerun(spec, dm, moments, items, kept)
-    if wl.attention is not Kernel.EAGER or not kept or dm.autocast:
+    ahead = _rerun_ahead(spec, wl, dm, variant, items, kept) if kept else {}
+    if not ahead:
         return moments
     softmax_up, value_out = eager_rerun_softmax(spec, wl, dm)
-    blocks = [i.block for i in items]
-    after = {b for k, b in enumerate(blocks) if k > blocks.index("attn") and b != "attn"}
-    later = sum(i.size_bytes for i in kept
-                if i.block in after or i.name in ("attn.context", "attn.o_proj"))
     out = []
-    for m in moments:
-        if m.name == "rebuild":
-            m = m._replace(alive_bytes=m.alive_bytes + later)
-            if softmax_up:  # the cast and dropout after the softmax still cached there
-                cast = sum(i.size_bytes for i in kept
-                           if i.name in ("attn.softmax_cast", "attn.dropout"))
-                out.append(m._replace(name="rebuild_softmax",
-                                      alive_bytes=m.alive_bytes + softmax_up + cast,
-                                      transient_bytes=m.transient_bytes - value_out))
+    for k, m in enumerate(moments):
+        if k and m.name not in ahead:  # the rerun's moments come first; no backward moment
+            return tuple(out) + moments[k:]  # is named after a rerun's in that prefix
+        m = m._replace(alive_bytes=m.alive_bytes + ahead.get(m.name, 0))
+        if m.name == "rebuild" and softmax_up:  # the cast and dropout after the softmax
+            cast = sum(i.size_bytes for i in kept
+                       if i.name in ("attn.softmax_cast", "attn.dropout"))
+            out.append(m._replace(name="rebuild_softmax",
+                                  alive_bytes=m.alive_bytes + softmax_up + cast,
+                                  transient_bytes=m.transient_bytes - value_out))
         out.append(m)
     return tuple(out)
 
@@ -1044,39 +1043,30 @@ _MAMBA_SCAN_MOMENTS = frozenset({"ssd_diag", "ssd_states", "mamba.segsum", "mamb
                                  "mamba.scan_out", "mamba.norm"})
 
 
-def _cached_at_mamba_rerun(spec: ModelSpec, variant: str, moments: tuple[LayerMoment, ...],
-                           items: tuple[sac_ops.Item, ...], kept: tuple[sac_ops.Item, ...]
-                           ) -> tuple[LayerMoment, ...]:
-    """A Mamba2 mixer's rerun moments (the first of the fully recomputed layer's moments,
-    ``_rerun_moments``) with the kept outputs the rerun has not reached yet: torch/utils/
-    checkpoint.py's ``_CachedTorchDispatchMode`` pops each cached output when its op reruns,
-    so at the rerun's scan and gated norm the cache still holds the kept outputs from
+def _rerun_ahead(spec: ModelSpec, wl: Workload, dm: Dims, variant: str,
+                 items: tuple[sac_ops.Item, ...], kept: tuple[sac_ops.Item, ...]
+                 ) -> dict[str, int]:
+    """Each rerun moment's kept bytes still in the cache (``_cached_at_rerun``), by the
+    items' execution order: at an eager core's rerun ("rebuild", not under autocast, where
+    none was traced above) those from the context's bmm on (``attn.context``,
+    ``attn.o_proj``, the later blocks'); at a Mamba2 mixer's scan and gated norm those from
     out_proj's input on (``mamba.out``, ``mamba.out_proj``, the later blocks': Falcon-H1's
-    attention, the MLP norm's, the MLP's), and at out_proj's output those after it (traced:
-    Granite 4.0-H narrowed on transformers 5.23, bf16, 2 x 512 tokens, the MLP norm's four
-    tensors kept: the rerun's scan output beside them was the backward's peak, 353,280 B
-    above the estimate before)."""
-    if spec.mamba is None or not kept or not (variant == "linear"
-                                              or falcon_h1.parallel(spec)):
-        return moments
+    attention, the MLP norm's, the MLP's), at out_proj's output ("mamba") those after it."""
     names = [i.name for i in items]
-    if "mamba.out" not in names or "mamba.out_proj" not in names:
-        return moments
-    kept_names = {i.name for i in kept}
-    sizes = [i.size_bytes if i.name in kept_names else 0 for i in items]
-    at_scan = sum(sizes[names.index("mamba.out"):])
-    at_end = sum(sizes[names.index("mamba.out_proj") + 1:])
-    out, rerun = [], True
-    for m in moments:
-        # the rerun's moments come first ("rebuild_out", then each block's), the mixer's
-        # ending with "mamba" (out_proj's output), a name no backward moment has
-        if rerun and m.name in _MAMBA_SCAN_MOMENTS:
-            m = m._replace(alive_bytes=m.alive_bytes + at_scan)
-        elif rerun and m.name == "mamba":
-            m = m._replace(alive_bytes=m.alive_bytes + at_end)
-            rerun = False
-        out.append(m)
-    return tuple(out)
+    mine = {i.name for i in kept}
+    sizes = [i.size_bytes if i.name in mine else 0 for i in items]
+
+    def after(name: str, skip: int = 0) -> int:
+        return sum(sizes[names.index(name) + skip:])
+
+    ahead = {}
+    if wl.attention is Kernel.EAGER and not dm.autocast and "attn.context" in names:
+        ahead["rebuild"] = after("attn.context")
+    mixer = spec.mamba is not None and (variant == "linear" or falcon_h1.parallel(spec))
+    if mixer and "mamba.out" in names and "mamba.out_proj" in names:
+        ahead |= dict.fromkeys(_MAMBA_SCAN_MOMENTS, after("mamba.out"))
+        ahead["mamba"] = after("mamba.out_proj", 1)
+    return ahead
 
 
 @lru_cache(maxsize=1024)

@@ -45,8 +45,8 @@ from __future__ import annotations
 
 from memplan.model.dims import Dims, Term
 from memplan.model.mamba import Sizes, sizes
-from memplan.model.sac_mamba import _einsum_conv, _einsum_scan_ops, _scan_ops
-from memplan.model.sac_ops import (ACTIVATION, CONV, COPY, MATMUL, NORM, PRODUCT, RSQRT, SCALE,
+from memplan.model.sac_mamba import _einsum_conv, _einsum_scan_ops, _scan_ops, conv_act
+from memplan.model.sac_ops import (ACTIVATION, COPY, MATMUL, NORM, PRODUCT, RSQRT, SCALE,
                                    SHIFT, Item, _unkept, numbered)
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
@@ -102,10 +102,7 @@ def _mixer_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], einsum: bool) -
         scan = (_einsum_conv(z, terms, e, pure, dm.autocast, low and not z.mup_e, BLOCK)
                 + _einsum_scan_ops(z, low and not z.mup_e, dm.autocast, BLOCK))
     else:
-        scan = [Item("mamba.conv_out", ("mamba.conv_out",), terms["mamba.conv_out"],
-                     2.0 * z.taps * z.conv, CONV, z.conv, 0, BLOCK, True),
-                Item("mamba.act", (), t * z.conv * e, float(z.conv), ACTIVATION, z.conv, 0,
-                     BLOCK, False)] + _scan_ops(z.p, z.n, z.h, low, pure)
+        scan = conv_act(z, terms, e, z.conv, BLOCK) + _scan_ops(z.p, z.n, z.h, low, pure)
     return projected + scan + _gate_ops(z, spec.mamba.norm_before_gate, low, pure, out) + [
         Item("mamba.out_proj", (), t * h * e, 2.0 * z.d * h, MATMUL, h, 0, BLOCK, False)]
 

@@ -99,19 +99,23 @@ def _scan_ops(p: int, n: int, h: int, low: bool, a_cast: bool) -> list[Item]:
         _unkept(PRODUCT, p, _BLOCK)]
 
 
-def _norm_and_out(d: int, low: bool, pure: bool, out_bytes: int) -> list[Item]:
-    """GraniteMoeHybridRMSNormGated's ops (module docstring) and out_proj's input: below fp32
-    the weight's product, then ``.to(dtype)``, the item ``mamba.out`` (``pure``: 16-bit
-    weights; under autocast the cast is autocast's own, no item); in fp32 the product is
-    out_proj's input, the item."""
-    ops = ([_unkept(COPY, d, _BLOCK)] if low else []) + [
+def _norm_and_out(d: int, low: bool, pure: bool, out_bytes: int, rsqrt_width: int | None = None,
+                  casts: int = 1) -> list[Item]:
+    """GraniteMoeHybridRMSNormGated's ops on the fp32 scan output (module docstring), its
+    ``* rsqrt`` ``rsqrt_width`` wide (5.3: d; 5.23: d / G, its group_size), then out_proj's
+    input: below fp32 the weight's product, then ``.to(dtype)``, the item ``mamba.out``
+    (``pure``: 16-bit weights; under autocast the stream's dtype, and ``casts`` of autocast's
+    own, counted, no item: 5.3's of the input, 5.23's out_proj's of its input and weight);
+    in fp32 the weight's product is out_proj's input, the item."""
+    ops = [_unkept(COPY, d, _BLOCK)] * low + [
         _unkept(ACTIVATION, d, _BLOCK), _unkept(PRODUCT, d, _BLOCK), _unkept(SHIFT, 1, _BLOCK),
-        _unkept(RSQRT, 1, _BLOCK), _unkept(PRODUCT, d, _BLOCK)]
+        _unkept(RSQRT, 1, _BLOCK), _unkept(PRODUCT, rsqrt_width or d, _BLOCK)]
     out = Item("mamba.out", ("mamba.out",), out_bytes, float(d), COPY if low else PRODUCT, d,
                0, _BLOCK, False)
     if not low:
         return ops + [out]
-    return ops + [_unkept(PRODUCT, d, _BLOCK), out if pure else _unkept(COPY, d, _BLOCK)]
+    return ops + [_unkept(PRODUCT, d, _BLOCK)] + (
+        [out] if pure else [_unkept(COPY, d, _BLOCK)] * casts)
 
 
 def _einsum_scan_ops(z: Sizes, low: bool, cast: bool, block: str = _BLOCK) -> list[Item]:
@@ -134,6 +138,18 @@ def _einsum_scan_ops(z: Sizes, low: bool, cast: bool, block: str = _BLOCK) -> li
             + bmm(p, n) + ops(PRODUCT, p))
 
 
+def conv_act(z: Sizes, terms: dict[str, int], e: int, act_width: int,
+             block: str = _BLOCK) -> list[Item]:
+    """The conv's and silu's items: the conv's padded output b x C x (s + K - 1) x e
+    (``mamba.conv_out``, 2 K C FLOPs a token; freed once silu has read its slice, so kept it
+    adds to the mixer's working set) and silu's T x C x e (``mamba.act``, C), its key
+    ``act_width`` wide (5.3: C, of (b, s, C); 5.23's ``causal_conv1d_fn``: s, of (b, C, s))."""
+    return [Item("mamba.conv_out", ("mamba.conv_out",), terms["mamba.conv_out"],
+                 2.0 * z.taps * z.conv, CONV, z.conv, 0, block, True),
+            Item("mamba.act", (), z.tokens * z.conv * e, float(z.conv), ACTIVATION, act_width,
+                 0, block, False)]
+
+
 def _einsum_conv(z: Sizes, terms: dict[str, int], e: int, pure: bool, cast: bool,
                  upcast: bool, block: str = _BLOCK) -> list[Item]:
     """5.23's ops from A's cast to silu's (module docstring): A_log's fp32 copy (16-bit
@@ -143,29 +159,8 @@ def _einsum_conv(z: Sizes, terms: dict[str, int], e: int, pure: bool, cast: bool
     ``mup_vector`` product) silu's output cast back to it."""
     conv = [_unkept(COPY, w, block) for w in (z.s,) * upcast + (z.conv, z.taps, z.s)] * cast
     return ([_unkept(COPY, z.h, block)] * pure + conv
-            + [Item("mamba.conv_out", ("mamba.conv_out",), terms["mamba.conv_out"],
-                    2.0 * z.taps * z.conv, CONV, z.conv, 0, block, True),
-               Item("mamba.act", (), z.tokens * z.conv * e, float(z.conv), ACTIVATION, z.s,
-                    0, block, False)]
+            + conv_act(z, terms, e, z.s, block)
             + [_unkept(COPY, z.s, block)] * (cast and not upcast))
-
-
-def _einsum_norm(z: Sizes, low: bool, pure: bool, out_bytes: int) -> list[Item]:
-    """5.23's GraniteMoeHybridRMSNormGated on the fp32 scan output (module docstring), its
-    ``* rsqrt`` d / G wide (group_size: d / n_groups), then out_proj's input: below fp32
-    ``.to(dtype)``, the item ``mamba.out`` (16-bit weights; under autocast the stream's
-    dtype, no op, then out_proj's casts of its input and weight, counted, no item); in fp32
-    the weight's product is the item."""
-    d = z.d
-    ops = [_unkept(COPY, d, _BLOCK)] * low + [
-        _unkept(ACTIVATION, d, _BLOCK), _unkept(PRODUCT, d, _BLOCK), _unkept(SHIFT, 1, _BLOCK),
-        _unkept(RSQRT, 1, _BLOCK), _unkept(PRODUCT, d // z.g, _BLOCK)]
-    out = Item("mamba.out", ("mamba.out",), out_bytes, float(d), COPY if low else PRODUCT, d,
-               0, _BLOCK, False)
-    if not low:
-        return ops + [out]
-    return ops + [_unkept(PRODUCT, d, _BLOCK)] + (
-        [out] if pure else [_unkept(COPY, d, _BLOCK), _unkept(COPY, d, _BLOCK)])
 
 
 def _einsum_items(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[Item]:
@@ -182,7 +177,7 @@ def _einsum_items(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[Item
                   0, _BLOCK, False)]
             + _einsum_conv(z, terms, e, pure, dm.autocast, low)
             + _einsum_scan_ops(z, low, dm.autocast)
-            + _einsum_norm(z, low, pure, terms["mamba.out"])
+            + _norm_and_out(z.d, low, pure, terms["mamba.out"], z.d // z.g, 2)
             + [Item("mamba.out_proj", (), t * h * e, 2.0 * z.d * h, MATMUL, h, 0, _BLOCK,
                     False)])
 
@@ -202,11 +197,8 @@ def mamba_items(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int]) 
     low = e < FP32_BYTES
     pure = low and not dm.autocast
     return [Item("mamba.in_proj", ("mamba.in_proj_out",), terms["mamba.in_proj_out"],
-                 2.0 * h * z.width, MATMUL, z.width, 0, _BLOCK, False),
-            Item("mamba.conv_out", ("mamba.conv_out",), terms["mamba.conv_out"],
-                 2.0 * z.taps * z.conv, CONV, z.conv, 0, _BLOCK, True),
-            Item("mamba.act", (), t * z.conv * e, float(z.conv), ACTIVATION, z.conv, 0, _BLOCK,
-                 False)] + _scan_ops(z.p, z.n, z.h, low, pure) + _norm_and_out(
+                 2.0 * h * z.width, MATMUL, z.width, 0, _BLOCK, False)] + conv_act(
+        z, terms, e, z.conv) + _scan_ops(z.p, z.n, z.h, low, pure) + _norm_and_out(
         z.d, low, pure, terms["mamba.out"]) + [
         Item("mamba.out_proj", (), t * h * e, 2.0 * z.d * h, MATMUL, h, 0, _BLOCK, False)]
 
