@@ -54,7 +54,6 @@ def _flops(spec: ModelSpec, seq_len: int):
 def layer_stats(spec: ModelSpec, wl: Workload, layer: str = "ReferenceModel.blocks.0"):
     """``SACStats`` of one decoder layer of the reference model, on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.sac_estimator import SACEstimator
 
     from memplan.profile.reference import ReferenceModel
     from memplan.profile.trace import ref_options
@@ -62,11 +61,54 @@ def layer_stats(spec: ModelSpec, wl: Workload, layer: str = "ReferenceModel.bloc
     with FakeTensorMode():
         model = ReferenceModel(spec, ref_options(wl))
         ids = torch.randint(0, spec.vocab_size, (wl.micro_batch_size, wl.seq_len))
-        estimator = SACEstimator()
-        with estimator(estimate_mode_type="operator-level-cost-model"):
-            estimator._estimate_runtime = _flops(spec, wl.seq_len)  # CPU: FLOPs
-            model(ids, ids).backward()
-    return estimator.sac_mod_stats[layer]
+        return module_stats(lambda: model(ids, ids).backward(), layer, spec, wl.seq_len)[0]
+
+
+def module_stats(step, layer: str, spec: ModelSpec, seq_len: int) -> tuple[object, list]:
+    """``SACEstimator``'s statistics of the module named ``layer`` (its tracker's name, e.g.
+    ``LlamaForCausalLM.model.layers.0``) over ``step()`` (a forward and backward, called
+    inside the caller's ``FakeTensorMode``; runtimes in FLOPs, ``_flops``), and the module's
+    forward ops in the statistics' order, each as (op, args, kwargs): what a policy function
+    is asked of them."""
+    from torch.distributed._tools.sac_estimator import OPS_TO_ALWAYS_SKIP, SACEstimator
+
+    estimator = SACEstimator()
+    flops = _flops(spec, seq_len)
+    ops: list = []
+
+    def runtime(func, args, kwargs):
+        tracker = estimator._mod_tracker
+        if layer in tracker.parents and not tracker.is_bw and func not in OPS_TO_ALWAYS_SKIP:
+            ops.append((func, args, kwargs))
+        return flops(func, args, kwargs)
+
+    with estimator(estimate_mode_type="operator-level-cost-model"):
+        estimator._estimate_runtime = runtime  # CPU: FLOPs
+        step()
+    stats = estimator.sac_mod_stats[layer]
+    if [op.overloadpacket.__name__ for op, _, _ in ops] != stats.func_names:
+        raise AssertionError(f"{layer}: the recorded forward ops differ from the estimator's")
+    return stats, ops
+
+
+def policy_ops(ops: list, policy_fn) -> set[int]:
+    """The indices of ``ops`` (``module_stats``) that ``policy_fn`` (an emitted policy's, for
+    the layer's forward) saves."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    class Forward:  # the context a policy reads: not the rerun
+        is_recompute = False
+
+    return {i for i, (op, args, kwargs) in enumerate(ops)
+            if policy_fn(Forward(), op, *args, **kwargs) is CheckpointPolicy.MUST_SAVE}
+
+
+def no_recompute(stats) -> IlpChoice:
+    """The layer without a checkpoint, in the estimator's terms: it saves what autograd saves
+    and reruns nothing."""
+    saved = frozenset(stats.saved_autograd_ops)
+    return IlpChoice(frozenset(occurrences(stats.func_names)[i] for i in saved),
+                     sum(stats.memory[i] for i in saved), 0.0, 0.0)
 
 
 def occurrences(names: list[str]) -> list[tuple[str, int]]:
