@@ -77,6 +77,23 @@ CASES = [
     ("falcon", {**FALCON_2, **FALCON_RMS, "mamba_norm_before_gate": True}, "bf16-pure", 200,
      "attention,mlp,mamba,norms"),
     ("falcon", {**FALCON_RMS, "mamba_norm_before_gate": False}, "bf16-pure", 256, "mamba"),
+    # under autocast (amp-bf16: fp32 weights), the two lists the grid's midway budget gives
+    # (``--recompute auto``, tests/traced/test_sac_policy.py ``_midway_list``) among them
+    ("granite", {}, "amp-bf16", 512, "mamba:mlp.gate_up"),
+    ("granite", {}, "amp-bf16", 256, "attention,mlp"),
+    ("granite", {}, "amp-bf16", 1024, "mamba:mamba.act,mamba:mamba.out_proj,attn:attention"),
+    ("granite", {"mamba_n_groups": 2}, "amp-bf16", 512,
+     "mamba:mamba.in_proj,mamba:mamba.conv_out,mamba:mlp.gate_up,attn:attn.out"),
+    ("granite", {}, "amp-bf16", 512,
+     "attn:attn.k,attn:attn.o_proj,attn:attn.out,attn:attn.q,attn:attn.v,attn:mlp.act,"
+     "attn:mlp.gate_up,attn:mlp.prod,mamba:mamba.act,mamba:mamba.in_proj,mamba:mamba.out_proj,"
+     "mamba:mlp.act,mamba:mlp.gate_up,mamba:mlp.prod"),
+    ("falcon", {}, "amp-bf16", 256, "mamba.act"),
+    ("falcon", {}, "amp-bf16", 256, "attention,mlp,mamba"),
+    ("falcon", FALCON_2, "amp-bf16", 200, "mamba,attention"),
+    ("falcon", {}, "amp-bf16", 256,
+     "attn.k,attn.o_proj,attn.out,attn.q,attn.v,mamba.act,mamba.in_proj,mamba.mup,"
+     "mamba.out_proj,mlp.act,mlp.gate_proj,mlp.prod,mlp.up"),
 ]
 
 

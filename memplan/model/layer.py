@@ -556,13 +556,13 @@ def _first_output_grad(spec: ModelSpec, dm: Dims, block: Block) -> int:
             and not dm.compiled else 0)
 
 
-def _rerun_moments(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block, ...],
-                   saved: list[int], prior: list[int], extra: int,
-                   input_is_saved: bool) -> list[LayerMoment]:
-    """A fully recomputed layer's rerun, before its backward's moments (``backward_moments``):
-    its stop and its blocks' own rerun moments, beside the gradients made before it began."""
+def _rerun_in(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block, ...]
+              ) -> tuple[int, bool, bool]:
+    """What waits through a fully recomputed layer's rerun (``_rerun_moments``): the
+    residual stream's gradient and what the layer's first backward nodes made before the
+    one that reruns it; and whether its mixers rerun beside their norm's fp32 output under
+    autocast (an attention layer's; Granite 4.0-H's Mamba2 layer on the einsum scan)."""
     stream = dm.stream(spec.hidden_size)
-    incoming = stream  # the residual-stream gradient, alive through the layer
     mlp = any(isinstance(b, Mlp) for b in blocks)
     # the sub-layer's scaled output (``ModelSpec.scaled_residual``): its scalar product's
     # backward ran before the node that reruns the layer, its gradient copy waits beside the
@@ -579,8 +579,31 @@ def _rerun_moments(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block,
     amp = dm.autocast and not any(isinstance(b, (Mamba, ParallelMamba)) for b in blocks)
     branch_grad = _branch_grad(spec, dm) if amp else 0
     scaled = spec.scaled_residual or (mlp and falcon_h1.parallel(spec) and not dm.autocast)
-    rerun_in = (incoming + branch_grad + (stream if scaled else 0)
+    # Granite 4.0-H's Mamba2 layer on 5.23's einsum scan under autocast: the scaled output's
+    # gradient waits in the branch's dtype (the scalar product's, of the cast gradient), and
+    # the mixer reruns beside its norm's fp32 output, its argument, as an attention layer's
+    # does (traced, full recompute, 2 x 512 tokens: the stream's fp32 gradient, the bf16
+    # product and the norm's fp32 output beside the rerun's scan output, the backward's
+    # peak 250,496 B above the estimate before, 11,648 B below it now); 5.3's naive scan's
+    # rebuild moments hold more than its rerun's (traced over by 0.6%), and Falcon-H1's hold
+    # its context
+    einsum_amp = (dm.autocast and any(isinstance(b, Mamba) for b in blocks)
+                  and mamba_kernel(spec, wl) is MambaKernel.TORCH_EINSUM)
+    scaled_bytes = _branch_grad(spec, dm) if einsum_amp else stream
+    rerun_in = (stream + branch_grad + (scaled_bytes if scaled else 0)
                 + (rerun_pending_bytes(spec, dm) if mlp else 0))
+    return rerun_in, amp, einsum_amp
+
+
+def _rerun_moments(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block, ...],
+                   saved: list[int], prior: list[int], extra: int,
+                   input_is_saved: bool) -> list[LayerMoment]:
+    """A fully recomputed layer's rerun, before its backward's moments (``backward_moments``):
+    its stop and its blocks' own rerun moments, beside the gradients made before it began."""
+    stream = dm.stream(spec.hidden_size)
+    incoming = stream  # the residual-stream gradient, alive through the layer
+    mlp = any(isinstance(b, Mlp) for b in blocks)
+    rerun_in, amp, einsum_amp = _rerun_in(spec, wl, dm, blocks)
     # The rerun stops once the last saved tensor is packed: after the MLP's output dropout
     # (its mask), or its second linear, whose output is alive then (and dropout's), with
     # everything the layer saves and the post-attention residual when no norm saves it.
@@ -602,7 +625,7 @@ def _rerun_moments(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block,
     # as in a forward that saves (``forward_moments``; traced: the reference GPT under
     # amp-bf16 with eager attention, full recompute, at the rerun's value matmul)
     norm_out = (dm.linear_rows * spec.hidden_size * dm.stream_e
-                if amp and spec.norm_placement.pre_norm else 0)
+                if (amp or einsum_amp) and spec.norm_placement.pre_norm else 0)
     cached = 0
     for block, before in zip(blocks, prior):
         cached += cast_cache_bytes(spec, wl, dm, block, Recompute.NONE) if amp else 0
@@ -1063,8 +1086,10 @@ def _rerun_ahead(spec: ModelSpec, wl: Workload, dm: Dims, variant: str,
     if wl.attention is Kernel.EAGER and not dm.autocast and "attn.context" in names:
         ahead["rebuild"] = after("attn.context")
     mixer = spec.mamba is not None and (variant == "linear" or falcon_h1.parallel(spec))
-    if mixer and "mamba.out" in names and "mamba.out_proj" in names:
-        ahead |= dict.fromkeys(_MAMBA_SCAN_MOMENTS, after("mamba.out"))
+    if mixer and "mamba.out_proj" in names:
+        # (under autocast out_proj's input is autocast's cast, no item: from out_proj on)
+        first = "mamba.out" if "mamba.out" in names else "mamba.out_proj"
+        ahead |= dict.fromkeys(_MAMBA_SCAN_MOMENTS, after(first))
         ahead["mamba"] = after("mamba.out_proj", 1)
     return ahead
 

@@ -138,16 +138,20 @@ def _einsum_scan_ops(z: Sizes, low: bool, cast: bool, block: str = _BLOCK) -> li
             + bmm(p, n) + ops(PRODUCT, p))
 
 
-def conv_act(z: Sizes, terms: dict[str, int], e: int, act_width: int,
-             block: str = _BLOCK) -> list[Item]:
+def conv_act(z: Sizes, terms: dict[str, int], e: int, act_width: int, block: str = _BLOCK,
+             act_freed: bool = False) -> list[Item]:
     """The conv's and silu's items: the conv's padded output b x C x (s + K - 1) x e
     (``mamba.conv_out``, 2 K C FLOPs a token; freed once silu has read its slice, so kept it
     adds to the mixer's working set) and silu's T x C x e (``mamba.act``, C), its key
-    ``act_width`` wide (5.3: C, of (b, s, C); 5.23's ``causal_conv1d_fn``: s, of (b, C, s))."""
+    ``act_width`` wide (5.3: C, of (b, s, C); 5.23's ``causal_conv1d_fn``: s, of (b, C, s));
+    ``act_freed``: silu's output freed once cast (5.23 under autocast where x is fp32, Falcon-H1's
+    ``mup_vector`` product: ``.to(x.dtype)``), so kept it adds to the mixer's working set (traced:
+    Falcon-H1's toy on 5.23, amp-bf16, 2 x 256 tokens keeping it alone: one T C bf16 under the
+    forward's peak before)."""
     return [Item("mamba.conv_out", ("mamba.conv_out",), terms["mamba.conv_out"],
                  2.0 * z.taps * z.conv, CONV, z.conv, 0, block, True),
             Item("mamba.act", (), z.tokens * z.conv * e, float(z.conv), ACTIVATION, act_width,
-                 0, block, False)]
+                 0, block, act_freed)]
 
 
 def _einsum_conv(z: Sizes, terms: dict[str, int], e: int, pure: bool, cast: bool,
@@ -159,7 +163,7 @@ def _einsum_conv(z: Sizes, terms: dict[str, int], e: int, pure: bool, cast: bool
     ``mup_vector`` product) silu's output cast back to it."""
     conv = [_unkept(COPY, w, block) for w in (z.s,) * upcast + (z.conv, z.taps, z.s)] * cast
     return ([_unkept(COPY, z.h, block)] * pure + conv
-            + conv_act(z, terms, e, z.s, block)
+            + conv_act(z, terms, e, z.s, block, act_freed=cast and not upcast)
             + [_unkept(COPY, z.s, block)] * (cast and not upcast))
 
 

@@ -103,7 +103,7 @@ from memplan.model.sac_mla import CAT
 from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind, QkNorm
 from memplan.units import FP32_BYTES, DType
 from memplan.workload import Attention as Kernel
-from memplan.workload import MambaKernel, MoeImpl, NormImpl
+from memplan.workload import MoeImpl, NormImpl
 from memplan.workload import Workload
 
 # the groups a save list may name, and the blocks whose items each stands for
@@ -228,18 +228,12 @@ def mamba_refusal(spec: ModelSpec, wl: Workload) -> str | None:
               (not m.parallel_attention and m.gated_norm and m.norm_before_gate,
                "norm_before_gate outside Falcon-H1's parallel layers (Granite 4.0-H's "
                "GraniteMoeHybridRMSNormGated gates first)"),
-              (not spec.norm_placement.pre_norm, "Mamba layers with post norms"),
-              # (traced on transformers 5.23: under autocast the rerun's scan output holds
-              # more than its forward's, unmodelled: Granite 4.0-H's toy keeping the MLP's
-              # gate/up output read 4% under, Falcon-H1's keeping its mixers and MLP 7%)
-              (wl.mamba_kernel is MambaKernel.TORCH_EINSUM
-               and wl.precision.policy.autocast is not None,
-               "Mamba layers on mamba_kernel torch-einsum under autocast"))
+              (not spec.norm_placement.pre_norm, "Mamba layers with post norms"))
     why = next((why for cond, why in checks if cond), None)
     return None if why is None else (
         f"{why} (modelled: Granite 4.0-H's Mamba2 layers, dense or with MoE blocks, as "
         "transformers 5.3's GraniteMoeHybridMambaLayer.torch_forward runs them (mamba_kernel "
-        "torch) and 5.23's forward (torch-einsum, not under autocast), and Falcon-H1's "
+        "torch) and 5.23's forward (torch-einsum), and Falcon-H1's "
         "parallel layers as FalconH1Mixer does on either: memplan.model.sac_mamba, "
         "memplan.model.sac_falcon)")
 

@@ -740,15 +740,14 @@ def test_plan_quiet_is_the_fastest_candidate_in_one_line() -> None:
 
 def test_plan_quiet_keeps_its_line_and_says_what_it_searched_instead() -> None:
     """``plan --quiet --recompute auto`` on a model whose layers are not modelled op by op
-    (falcon-h1's default einsum scan under autocast): stdout the one line, the note naming
-    the kernel and the whole levels searched instead on stderr."""
-    result = CliRunner().invoke(app, ["plan", "-m", "falcon-h1-0.5b", "-n", "8",
-                                      "--recompute", "auto", "--precision", "amp-bf16",
-                                      "--quiet"])
+    (OLMo 2's upcast-fp32 post norms under the generic framework's upcast norms): stdout the
+    one line, the note naming the norms and the whole levels searched instead on stderr."""
+    result = CliRunner().invoke(app, ["plan", "-m", "olmo-2-7b", "-n", "8",
+                                      "--recompute", "auto", "--quiet"])
     assert result.exit_code == 0, result.stderr
     assert result.stdout.count("\n") == 1 and result.stdout.startswith("FITS: "), result.stdout
     assert result.stderr.startswith("memplan: note: recompute ops:"), result.stderr
-    assert "torch-einsum under autocast" in result.stderr
+    assert "post norms of norm_impl upcast" in result.stderr
     assert "searched the whole recompute levels" in result.stderr
 
 
