@@ -584,9 +584,9 @@ def _rerun_in(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block, ...]
     # the mixer reruns beside its norm's fp32 output, its argument, as an attention layer's
     # does (traced, full recompute, 2 x 512 tokens: the stream's fp32 gradient, the bf16
     # product and the norm's fp32 output beside the rerun's scan output, the backward's
-    # peak 250,496 B above the estimate before, 11,648 B below it now); 5.3's naive scan's
-    # rebuild moments hold more than its rerun's (traced over by 0.6%), and Falcon-H1's hold
-    # its context
+    # peak 250,496 B above the estimate before, 11,648 B below it now). Not on 5.3's naive
+    # scan, untraced there: its backward's peak is elsewhere (the same toy, full recompute:
+    # the peak is the same with or without them), and Falcon-H1's moments hold its context
     einsum_amp = (dm.autocast and any(isinstance(b, Mamba) for b in blocks)
                   and mamba_kernel(spec, wl) is MambaKernel.TORCH_EINSUM)
     scaled_bytes = _branch_grad(spec, dm) if einsum_amp else stream
