@@ -121,10 +121,22 @@ def occurrences(names: list[str]) -> list[tuple[str, int]]:
 
 
 def ilp_choice(stats, fraction: float) -> IlpChoice:
-    """The integer program's choice at ``fraction`` of the layer's op bytes."""
-    from torch.distributed._tools.sac_ilp import get_optimal_checkpointing_policy_per_module
+    """The integer program's choice at ``fraction`` of the layer's op bytes, solved as
+    PyTorch sets CBC up (``gapRel=0.05``) but without its 10 s time limit, so that the answer
+    is the same on any machine however loaded (these programs solve in milliseconds)."""
+    from torch.distributed._tools import sac_ilp
 
-    x = get_optimal_checkpointing_policy_per_module(stats, fraction)
+    solver = sac_ilp.PULP_CBC_CMD
+
+    def untimed(*args, **kwargs):
+        kwargs.pop("timeLimit", None)
+        return solver(*args, **kwargs)
+
+    sac_ilp.PULP_CBC_CMD = untimed
+    try:
+        x = sac_ilp.get_optimal_checkpointing_policy_per_module(stats, fraction)
+    finally:
+        sac_ilp.PULP_CBC_CMD = solver
     return choice_of(stats, {i for i, v in enumerate(x) if v})
 
 
