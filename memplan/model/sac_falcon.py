@@ -97,7 +97,7 @@ def _mixer_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], einsum: bool) -
                       z.width, 0, BLOCK, True),
                  Item("mamba.mup", ("mamba.in_proj_out",), terms["mamba.in_proj_out"],
                       float(z.width), PRODUCT, z.width, 0, BLOCK, False)]
-    if einsum:  # transformers 5.23 (``sac_mamba._einsum_items``): x below fp32 unless the
+    if einsum:  # transformers 5.23 (``sac_mamba.mamba_items``): x below fp32 unless the
         # mup_vector product made it fp32 (under autocast)
         scan = (_einsum_conv(z, terms, e, pure, dm.autocast, low and not z.mup_e, BLOCK)
                 + _einsum_scan_ops(z, low and not z.mup_e, dm.autocast, BLOCK))

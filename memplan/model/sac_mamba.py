@@ -44,7 +44,7 @@ tests/traced/test_sac_policy.py).
 transformers 5.23 (``mamba_kernel`` torch-einsum: ``memplan.model.mamba_einsum``) runs the
 mixer through ``causal_conv1d_fn``'s and ``mamba2_chunk_scan``'s torch fallbacks
 (models/granitemoehybrid/modeling_granitemoehybrid.py ``GraniteMoeHybridMambaLayer.forward``)
-with the same items between other ops (``_einsum_items``; read off traces of 5.23's own
+with the same items between other ops (``mamba_items``; read off traces of 5.23's own
 mixers: tests/data/traces/mamba_einsum/sac_keys-5.23.json)::
 
     projected_states = self.in_proj(input_states)        # mm, W: mamba.in_proj
@@ -167,44 +167,35 @@ def _einsum_conv(z: Sizes, terms: dict[str, int], e: int, pure: bool, cast: bool
             + [_unkept(COPY, z.s, block)] * (cast and not upcast))
 
 
-def _einsum_items(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[Item]:
-    """``mamba_items`` on transformers 5.23's einsum scan (module docstring)."""
-    assert spec.mamba is not None
-    z = sizes(spec.mamba, dm)
-    h, t, e = spec.hidden_size, dm.tokens, dm.e
-    low = e < FP32_BYTES
-    pure = low and not dm.autocast
-    # (under autocast no one saves in_proj's output: a local to the mixer's end,
-    # ``mamba_einsum.scan_terms``; kept, its own bytes)
-    proj = () if dm.autocast else ("mamba.in_proj_out",)
-    return ([Item("mamba.in_proj", proj, t * z.width * e, 2.0 * h * z.width, MATMUL, z.width,
-                  0, _BLOCK, False)]
-            + _einsum_conv(z, terms, e, pure, dm.autocast, low)
-            + _einsum_scan_ops(z, low, dm.autocast)
-            + _norm_and_out(z.d, low, pure, terms["mamba.out"], z.d // z.g, 2)
-            + [Item("mamba.out_proj", (), t * h * e, 2.0 * z.d * h, MATMUL, h, 0, _BLOCK,
-                    False)])
-
-
 def mamba_items(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int]) -> list[Item]:
     """The mixer's ops in execution order, on one rank (W = 2 d + 2 G n + H in_proj's
     output, C = d + 2 G n the conv's channels, K taps, T tokens, e the compute dtype's
     bytes): in_proj's output T x W x e (2 h W FLOPs a token), the conv's b x C x (s + K - 1)
     x e (2 K C), silu's T x C x e (C), the scan's and the gated norm's ops (unkept),
     out_proj's input T x d x e (d) and output T x h x e (2 d h; a row-parallel output is the
-    full partial sum on each rank)."""
+    full partial sum on each rank). On transformers 5.23's einsum scan (module docstring)
+    other ops run between the same items, the gated norm's ``* rsqrt`` is d / G wide, and
+    under autocast no one saves in_proj's output (``mamba_einsum.scan_terms``: kept, its own
+    bytes) and out_proj casts its input and weight."""
     assert spec.mamba is not None
-    if wl.mamba_kernel is MambaKernel.TORCH_EINSUM:
-        return _einsum_items(spec, dm, terms)
     z = sizes(spec.mamba, dm)
     h, t, e = spec.hidden_size, dm.tokens, dm.e
     low = e < FP32_BYTES
     pure = low and not dm.autocast
-    return [Item("mamba.in_proj", ("mamba.in_proj_out",), terms["mamba.in_proj_out"],
-                 2.0 * h * z.width, MATMUL, z.width, 0, _BLOCK, False)] + conv_act(
-        z, terms, e, z.conv) + _scan_ops(z.p, z.n, z.h, low, pure) + _norm_and_out(
-        z.d, low, pure, terms["mamba.out"]) + [
-        Item("mamba.out_proj", (), t * h * e, 2.0 * z.d * h, MATMUL, h, 0, _BLOCK, False)]
+    if wl.mamba_kernel is MambaKernel.TORCH_EINSUM:
+        proj = () if dm.autocast else ("mamba.in_proj_out",)
+        size = t * z.width * e
+        mixer = (_einsum_conv(z, terms, e, pure, dm.autocast, low)
+                 + _einsum_scan_ops(z, low, dm.autocast)
+                 + _norm_and_out(z.d, low, pure, terms["mamba.out"], z.d // z.g, 2))
+    else:
+        proj, size = ("mamba.in_proj_out",), terms["mamba.in_proj_out"]
+        mixer = (conv_act(z, terms, e, z.conv) + _scan_ops(z.p, z.n, z.h, low, pure)
+                 + _norm_and_out(z.d, low, pure, terms["mamba.out"]))
+    return ([Item("mamba.in_proj", proj, size, 2.0 * h * z.width, MATMUL, z.width, 0, _BLOCK,
+                  False)] + mixer
+            + [Item("mamba.out_proj", (), t * h * e, 2.0 * z.d * h, MATMUL, h, 0, _BLOCK,
+                    False)])
 
 
 def mamba_layer_ops(spec: ModelSpec, wl: Workload, dm: Dims, saved: tuple[Term, ...],

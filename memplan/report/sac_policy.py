@@ -445,9 +445,10 @@ def emit_for(target: str, est: object) -> str:
 
 def no_recompute(target: str, spec: ModelSpec, par, wl) -> str:
     """``recompute auto`` where no recompute fits (``memplan.api._auto_none``), in
-    ``target``'s terms: torch, a module whose policy saves every op (for a loop that wraps
-    its layers anyway: the checkpoint then holds each layer's input beside what it saves,
-    one residual-sized tensor a layer more than leaving them unwrapped); torchtitan 0.3.0,
+    ``target``'s terms: torch, layers left unwrapped, and for a loop that wraps them anyway a
+    policy that saves every op (it reruns nothing, but the cache then holds every op's
+    output to the backward, the forward's transients too: more than unwrapped layers hold,
+    which memplan does not estimate); torchtitan 0.3.0,
     no activation checkpointing (``Trainer.Config.activation_checkpoint`` None, its "none"
     subcommand); Megatron-LM, no ``--recompute-granularity``."""
     command = (f"memplan estimate -m {spec.name} -n {par.world_size} "
@@ -463,11 +464,13 @@ def no_recompute(target: str, spec: ModelSpec, par, wl) -> str:
     return f'''"""Activation checkpointing for {spec.name}: none ({why}).
 
 Made by: {command}
-Leave the decoder layers unwrapped. A loop that wraps them anyway with
+Leave the decoder layers unwrapped: that is what the estimate counts. A loop that wraps
+them anyway with
     torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False,
                                       context_fn=context_fn(layer_index))
-recomputes nothing with this policy (it saves every op's output); the checkpoint then also
-holds each layer's input, one residual-sized tensor a layer more than unwrapped.
+recomputes nothing with this policy, but it saves every op's output, the forward's
+temporaries too, beside each layer's input: more than unwrapped layers hold, and not
+estimated.
 """
 import functools
 

@@ -231,7 +231,7 @@ def test_plan_searches_save_lists() -> None:
 
 def test_plan_auto_searches_save_lists_on_the_einsum_scan() -> None:
     """On the einsum scan (falcon-h1's default ``mamba_kernel``, transformers 5.23's forward,
-    modelled op by op: ``sac_mamba._einsum_items``) ``plan --recompute auto`` searches save
+    modelled op by op: ``sac_mamba.mamba_items``) ``plan --recompute auto`` searches save
     lists, and no recompute (``api._auto_none``: the least recompute of all, the scan's
     tensors kept too). On 80 GB the fastest fit without recompute: the candidates of the plan
     with no recompute fixed. On 24 GiB no layout fits without it: auto's candidates keep save

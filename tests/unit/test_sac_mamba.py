@@ -119,7 +119,7 @@ def test_emitted_policies() -> None:
 
 
 def test_einsum_scan_policy_by_hand() -> None:
-    """transformers 5.23's forward (mamba_kernel torch-einsum: ``sac_mamba._einsum_items``):
+    """transformers 5.23's forward (mamba_kernel torch-einsum: ``sac_mamba.mamba_items``):
     ``causal_conv1d_fn``'s silu runs on the conv's (b, C, s) output, so its key is s = 1,024
     wide, the shared MLP's silu's width too (f = 1,024): the mixer's is the first of two;
     out_proj's input is the layer's second cast d = 48 x 64 = 3,072 wide (the gated norm's

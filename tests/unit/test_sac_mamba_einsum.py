@@ -1,5 +1,5 @@
 """Op-level checkpointing of Mamba2 layers on transformers 5.23's einsum scan (``mamba_kernel``
-torch-einsum: ``memplan.model.sac_mamba._einsum_items``, ``sac_falcon``) against transformers
+torch-einsum: ``memplan.model.sac_mamba.mamba_items``, ``sac_falcon``) against transformers
 5.23's own code, recorded: tests/data/traces/mamba_einsum/sac-5.23.json, written by
 benchmarks/record_mamba_sac_traces.py (CI runs transformers 5.3, whose naive scan
 tests/traced/test_sac_policy.py traces live).
