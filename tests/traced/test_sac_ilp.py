@@ -132,15 +132,11 @@ def test_memplan_reruns_no_more_than_the_ilp(spec: ModelSpec, fraction: float) -
     assert mine.rerun_flops <= ilp.rerun_flops
 
 
-# transformers' layers: (config, its overrides, precision, seq, the layer kind's scope);
-# the fractions where memplan's choice reruns more than the program's (the docstring's table)
-GRANITE_H_TOY = dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
-                     num_local_experts=0, shared_intermediate_size=256, hidden_size=128,
-                     intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=32, mamba_n_heads=4, mamba_d_head=64, mamba_d_state=32,
-                     mamba_chunk_size=48, vocab_size=64, pad_token_id=None)
 def _toys() -> dict:
+    """transformers' toys by name (tests/traced/hf_configs.py; Granite 4.0-H's, Mamba2,
+    attention, Mamba2 layers: test_sac_policy.py's)."""
     from hf_configs import GEMMA2_TOY, LLAMA3_TOY, OLMO2_TOY
+    from test_sac_policy import GRANITE_H_TOY
 
     gpt2 = dict(n_layer=2, n_embd=256, n_head=8, vocab_size=1000, resid_pdrop=0.0,
                 attn_pdrop=0.0, embd_pdrop=0.0)  # (dropout: CPU's SDPA runs its math path)
